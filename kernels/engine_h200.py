@@ -52,6 +52,11 @@ def rel_err(a, b): return ((a.float() - b.float()).norm() / b.float().norm()).it
 
 def correctness(hf, model_dir, res):
     from nanoserve.engine import LLM, SamplingParams
+    sized = LLM(model_dir, dtype="bfloat16")            # KV cache sized from free memory and a measured peak
+    res["kv_sizing"] = {"num_kv_blocks": sized.num_kv_blocks, "block_size": sized.block_size,
+                        "activation_peak_mib": sized.activation_peak_bytes / 2**20,
+                        "kv_cache_gib": sized.runner.kv_cache.numel() * 2 / 2**30, "max_model_len": sized.max_model_len}
+    del sized; torch.cuda.empty_cache()
     llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=2048, max_num_seqs=8)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 151936, (1, 64), generator=g).cuda()
@@ -139,7 +144,7 @@ def decode_timing(model_dir, res, batches=(1, 8, 32, 64), steps=64):
 def hf_eager(hf, res, steps=64):
     "transformers eager generate, batch 1: ms per decode step = (t(n+steps) - t(n)) / steps."
     ids = torch.randint(0, 151936, (1, 128)).cuda()
-    def gen(n): return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    def gen(n): return hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
     warm(lambda: gen(8), 3.0)
     times = []
     for rep in range(2):
