@@ -80,6 +80,16 @@ def correctness(hf, model_dir, res):
     agree = next((i for i, (a, b) in enumerate(zip(out_hf, out_ours)) if a != b), n_new)
     res["greedy"] = {"tokens": n_new, "agreeing_prefix": agree, "identical": out_hf == out_ours}
     del llm; torch.cuda.empty_cache()
+    # the same in fp32, where both sides should agree on every token (random weights give near-tied logits,
+    # which bf16 rounding flips early)
+    hf.float()
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=2048, max_num_seqs=8)
+    out_hf = hf.generate(ids, max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)[0, n:].tolist()
+    out_ours = llm.generate(ids[0].tolist(), SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))[0].token_ids
+    agree = next((i for i, (a, b) in enumerate(zip(out_hf, out_ours)) if a != b), n_new)
+    res["greedy_fp32"] = {"tokens": n_new, "agreeing_prefix": agree, "identical": out_hf == out_ours,
+                          "backend": llm.attention_backend}
+    del llm; hf.to(torch.bfloat16); torch.cuda.empty_cache()
 
 
 def warm(fn, seconds=3.0):
@@ -109,10 +119,10 @@ def busy_and_kernels(fn, num_steps):
     return len(kernels) / num_steps, busy / 1e6 / wall, wall / num_steps * 1e3   # us -> s
 
 
-def decode_timing(model_dir, res, batches=(1, 8, 32, 64), steps=64):
+def decode_timing(model_dir, res, backend, batches=(1, 8, 32, 64), steps=64):
     from nanoserve.engine import LLM, SamplingParams
     llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(2048, max(batches)))
+              max_num_batched_tokens=max(2048, max(batches)), attention_backend=backend)
     rows = []
     g = torch.Generator().manual_seed(2)
     for b in batches:
@@ -132,11 +142,11 @@ def decode_timing(model_dir, res, batches=(1, 8, 32, 64), steps=64):
             torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / steps * 1e3)
         start()
         kps, busy, prof_ms = busy_and_kernels(one_step, 16)
-        rows.append({"batch": b, "ms_per_step": times, "disagree": abs(times[0] - times[1]) / min(times) > 0.15,
+        rows.append({"backend": backend, "batch": b, "ms_per_step": times, "disagree": abs(times[0] - times[1]) / min(times) > 0.15,
                      "tokens_per_s": b / (min(times) / 1e3), "kernels_per_step": kps, "gpu_busy": busy,
                      "profiled_ms_per_step": prof_ms})
         print(rows[-1], flush=True)
-    res["decode"] = rows
+    res.setdefault("decode", []).extend(rows)
     for i in list(llm._requests): llm.abort_request(i)
     del llm; torch.cuda.empty_cache()
 
@@ -164,7 +174,8 @@ def main():
     d = Path(tempfile.mkdtemp())
     try:
         hf = make_checkpoint(d, "0.5B")
-        for name, fn in (("correctness", lambda: correctness(hf, d, res)), ("decode", lambda: decode_timing(d, res)),
+        for name, fn in (("correctness", lambda: correctness(hf, d, res)), ("decode_torch", lambda: decode_timing(d, res, "torch")),
+                         ("decode_triton", lambda: decode_timing(d, res, "triton")),
                          ("hf_eager", lambda: hf_eager(hf, res))):
             try: fn()
             except Exception as e:
