@@ -22,7 +22,8 @@ SHAPES = {"0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layer
 
 
 def meta_info():
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
+                                                                 capture_output=True, text=True).stdout.strip() or "unknown"
     import transformers, triton
     return {"git_sha": sha, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
@@ -68,7 +69,10 @@ def correctness(hf, model_dir, res):
     runner = llm.runner
     n = ids.shape[1]
     table = torch.arange(-(-n // llm.block_size), device="cuda")
-    meta = AttentionMetadata(torch.arange(n, device="cuda"), prefills=[PrefillChunk(0, n, 0, table)])
+    meta = AttentionMetadata(torch.arange(n, device="cuda"), prefills=[PrefillChunk(0, n, 0, table)],
+                             prefill_block_tables=table[None], prefill_max_q_len=n,
+                             prefill_cu_q_lens=torch.tensor([0, n], device="cuda"),
+                             prefill_start_pos=torch.zeros(1, dtype=torch.long, device="cuda"))
     with torch.inference_mode():
         ours = llm.model.compute_logits(llm.model(ids[0], torch.arange(n, device="cuda"), runner.kv_caches, meta))[-1]
     res["logits"] = {"ours_bf16_vs_fp32_rel": rel_err(ours, ref32), "hf_bf16_vs_fp32_rel": rel_err(hf16, ref32),
