@@ -12,7 +12,8 @@ few blocks. After every rule the manager's own `check_invariants()` runs, and th
 - a prefix hit never includes the block holding the prompt's last token, and every hit block holds (as tracked
   by the test, only once cache_blocks declared it computed) exactly the requesting prompt's tokens up to its end;
 - a named block's hash is the chained hash of the tokens actually computed into it;
-- fresh blocks come from the free list before any cached block is evicted;
+- fresh blocks come from the free list before any cached block is evicted, and evictions take the least recently
+  used cached block (a freed table queues its tail first);
 - named blocks held by a sequence stay findable; reset_prefix_cache forgets exactly the unheld ones.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tables: dict[int, list[int]] = {}    # seq_id -> the test's copy of its block table
         self.content: dict[int, tuple] = {}       # block_id -> all tokens up to the block's end, once computed
         self.history: list[list[int]] = [[0] * (3 * block_size + 1)]   # sources of shared prefixes
+        self.lru: list[int] = []                  # unheld named blocks, least recently used first
         self.next_id = 0
         for _ in range(data.draw(st.integers(0, 3))):            # start from a non-empty pool
             if (seq_id := self._allocate(data)) is not None:
@@ -70,6 +72,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return list(base[:keep]) + suffix
 
     def in_use(self) -> set[int]: return {b for t in self.tables.values() for b in t}
+
+    def check_evictions(self, fresh: list[int], unnamed_free: int) -> None:
+        "Fresh blocks beyond the free list are the least recently used cached ones."
+        evicted = max(0, len(fresh) - unnamed_free)
+        assert set(self.lru[:evicted]) <= set(fresh), f"evicted {fresh} but the LRU blocks were {self.lru[:evicted]}"
+        self.lru = self.lru[evicted:]
 
     def num_unnamed_free(self) -> int:
         return sum(b.ref_count == 0 and b.hash is None for b in self.bm.blocks)
@@ -111,14 +119,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         event("allocate hit" if k else "allocate miss")
         if any(b in in_use for b in table[:k]): event("hit shares a held block")
         if any(b not in in_use for b in table[:k]): event("hit revives a cached block")
-        if len(fresh := table[k:]) > unnamed_free: event("allocate evicts")
+        fresh = table[k:]
+        if len(fresh) > unnamed_free: event("allocate evicts")
         if not can_wm: event("allocate below watermark")
         for i, b in enumerate(table[:k]):
             assert self.content.get(b) == tuple(prompt[:(i + 1) * bs]), \
                 f"hit block {b} (position {i}) holds {self.content.get(b)}, prompt needs {prompt[:(i + 1) * bs]}"
-        fresh = table[k:]
         assert not set(fresh) & in_use, "a fresh block was already held by another sequence"
         for b in fresh: self.content.pop(b, None)          # its old contents are about to be overwritten
+        self.lru = [b for b in self.lru if b not in table[:k]]    # revived hits leave the LRU queue
+        self.check_evictions(fresh, unnamed_free)
         shared = sum(b in in_use for b in table[:k])
         assert free_before - bm.num_free_blocks == len(table) - shared
         # the watermark answer is exactly whether the pool kept `watermark_blocks` free
@@ -163,6 +173,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert not set(new_ids) & in_use
         for b in new_ids: self.content.pop(b, None)
         assert free_before - bm.num_free_blocks == len(new_ids)
+        self.check_evictions(new_ids, unnamed_free)
         assert self.num_named() == named_before - max(0, len(new_ids) - unnamed_free)
         self.tables[seq_id].extend(new_ids)
         self.tokens[seq_id].extend(data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=grow, max_size=grow)))
@@ -205,6 +216,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for b in released:
             assert bm.blocks[b].ref_count == 0
             assert (b in bm._cached) == (bm.blocks[b].hash is not None)
+        # the tail of the table is queued for eviction first: walk it backwards
+        self.lru += [b for b in reversed(table) if b in released and bm.blocks[b].hash is not None]
 
     @rule(data=st.data())
     def allocate(self, data):
@@ -241,6 +254,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for b in bm.blocks:
             if b.ref_count == 0: assert b.hash is None, f"unheld block {b.block_id} still named after reset"
         assert {b.block_id: b.hash for b in bm.blocks if b.hash is not None} == held_named
+        self.lru = []
 
     # -- after every rule ---------------------------------------------------------------------------------
     @invariant()
@@ -265,6 +279,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 content = self.content.get(b.block_id)
                 assert content is not None, f"block {b.block_id} is named but was never computed"
                 assert b.hash == chain_hash(content, bs), f"block {b.block_id}'s name is not its contents"
+        assert list(bm._cached) == self.lru, "cached blocks out of least-recently-used order"
         used = len(self.in_use())
         assert bm.num_free_blocks + used == bm.num_blocks
         assert bm.num_used_blocks == used

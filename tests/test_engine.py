@@ -230,10 +230,10 @@ def test_engine_recovers_from_an_interrupted_generate(fresh, monkeypatch):
     "The notebook: 'if anything interrupts it, its requests are aborted so the engine stays clean'."
     good = [o.token_ids for o in fresh.generate(["Hello", "abc"], GREEDY)]
     real, calls = fresh.runner.run, []
-    def flaky(step, sampling):
+    def flaky(step, sampling, *rest):
         calls.append(1)
         if len(calls) == 3: raise KeyboardInterrupt
-        return real(step, sampling)
+        return real(step, sampling, *rest)
     monkeypatch.setattr(fresh.runner, "run", flaky)
     with pytest.raises(KeyboardInterrupt):
         fresh.generate(["Hello", "abc"], GREEDY)
