@@ -1,0 +1,141 @@
+"""The clock ramp on the GPU (lie 1 of the measurement chapter, nbs/08_measure.ipynb).
+
+Run on the device machine from the repo root:  PYTHONPATH=. python kernels/clock_ramp_h200.py --out $OUT
+Writes clock_ramp_h200.json (raw samples, SM clock readings, git sha, GPU, versions, date); copy it to figures/data/.
+Takes about 15 s plus start-up (about 23 s in all on the H200).
+
+One sample = a fixed workload (48 bf16 matmuls of 4096 x 4096, ~10 ms warm on an H200), waited for.
+1. cold: one untimed call (cuBLAS sets itself up), then 5 s idle so the clocks drop, then samples back to back
+   for 4 s.
+2. warm: warm_gpu(3 s) of sustained 8192 x 8192 matmuls, then samples for 2.5 s.
+A thread polls nvidia-smi every ~0.2 s throughout (if it works) for the SM clock (MHz), power (W), whether the
+software power cap is slowing the clock (1/0) and the temperature (C); `smi_fields` names the columns. Readings
+are stored per phase, in seconds relative to that phase's first sample (negative: idle or warm_gpu before it).
+"""
+import argparse, json, os, subprocess, sys, threading, time
+from pathlib import Path
+
+import torch
+import triton
+
+from nanoserve.measure import clock_ramp, matmul_workload, summarize_ramp, warm_gpu
+
+DEV = torch.device("cuda")
+IDLE_S, SAMPLE_S, WARM_S, WARM_SAMPLE_S = 5.0, 4.0, 3.0, 2.5
+SIZE, COUNT = 4096, 48
+COMMAND = "PYTHONPATH=. python kernels/clock_ramp_h200.py --out $OUT"
+
+
+def meta_info():
+    sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
+                                                                 capture_output=True, text=True).stdout.strip() or "unknown"
+    return {"git_sha": sha, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "triton": triton.__version__, "python": sys.version.split()[0],
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+SMI_FIELDS = ("clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap,temperature.gpu",
+              "clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap,temperature.gpu",
+              "clocks.sm")
+
+
+def smi_query(gpu_id, fields):
+    "Values of `fields` for our GPU from nvidia-smi (floats; power cap 'Active' -> 1.0), or None when it fails."
+    cmd = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    if gpu_id: cmd += ["-i", gpu_id]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=2)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip(): return None
+    vals = []
+    for v in out.stdout.strip().splitlines()[0].split(","):
+        v = v.strip()
+        if v in ("Active", "Not Active"): vals.append(float(v == "Active"))
+        else:
+            try: vals.append(float(v))
+            except ValueError: vals.append(None)       # "[N/A]"
+    return vals
+
+
+def smi_setup():
+    "(gpu id or None, fields) that nvidia-smi answers, or (None, None)."
+    gid = gpu_uuid()
+    for fields in SMI_FIELDS:
+        for g in ((gid, None) if gid else (None,)):
+            if smi_query(g, fields) is not None: return g, fields
+    return None, None
+
+
+class ClockPoller(threading.Thread):
+    "Polls nvidia-smi in the background; readings are (perf_counter at the middle of the query, MHz, W)."
+    def __init__(self, gpu_id, fields, period=0.2):
+        super().__init__(daemon=True)
+        self.gpu_id, self.fields, self.period = gpu_id, fields, period
+        self.readings, self.stop = [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            v = smi_query(self.gpu_id, self.fields)
+            if v is None: return
+            self.readings.append([(t0 + time.perf_counter()) / 2, *v])
+            self.stop.wait(self.period)
+
+    def between(self, t_from, t_to, t_zero):
+        return [[r[0] - t_zero, *r[1:]] for r in self.readings if t_from <= r[0] <= t_to]
+
+
+def gpu_uuid():
+    u = getattr(torch.cuda.get_device_properties(DEV), "uuid", None)
+    if u is None: return None
+    u = str(u)
+    return u if u.startswith("GPU-") else f"GPU-{u}"
+
+
+def main():
+    ap = argparse.ArgumentParser(); ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t_script = time.perf_counter()
+    res = {"meta": meta_info(), "command": COMMAND,
+           "workload": {"size": SIZE, "count": COUNT, "dtype": "bfloat16", "flops": 2 * SIZE ** 3 * COUNT,
+                        "label": f"{COUNT} x mm {SIZE} bf16"},
+           "idle_s": IDLE_S, "sample_s": SAMPLE_S, "warm_s": WARM_S, "warm_sample_s": WARM_SAMPLE_S}
+    out = Path(args.out) / "clock_ramp_h200.json"
+    gid, fields = smi_setup()
+    res["smi_fields"] = ["t_s"] + fields.split(",") if fields else None     # the columns of each clocks reading
+    fn = matmul_workload(DEV, SIZE, COUNT)
+    sync = lambda: torch.cuda.synchronize(DEV)
+    t = time.perf_counter(); fn(); sync(); res["first_call_ms"] = (time.perf_counter() - t) * 1e3   # cuBLAS set-up
+
+    poller = ClockPoller(gid, fields)
+    if fields: poller.start()
+    t_idle = time.perf_counter()
+    time.sleep(IDLE_S)
+    t_cold = time.perf_counter()
+    cold = clock_ramp(fn, SAMPLE_S, sync=sync)
+    t_cold_end = time.perf_counter()
+    res["cold"] = {"samples": cold, "summary": summarize_ramp(cold)}
+
+    t_warm0 = time.perf_counter()
+    res["warm_gpu_iters"] = warm_gpu(WARM_S, DEV)
+    t_warm = time.perf_counter()
+    warm = clock_ramp(fn, WARM_SAMPLE_S, sync=sync)
+    t_warm_end = time.perf_counter()
+    poller.stop.set()
+    if poller.is_alive(): poller.join(timeout=3)
+    res["warm"] = {"samples": warm, "summary": summarize_ramp(warm)}
+    # the same warm reference for both phases: how far the cold start is from the warmed GPU
+    res["cold"]["summary_vs_warm"] = summarize_ramp(cold, warm_ms=res["warm"]["summary"]["warm_ms"])
+    res["cold"]["clocks"] = poller.between(t_idle, t_cold_end, t_cold)
+    res["warm"]["clocks"] = poller.between(t_warm0, t_warm_end, t_warm)
+    res["script_s"] = time.perf_counter() - t_script
+    out.write_text(json.dumps(res, indent=1))
+    for phase in ("cold", "warm"):
+        print(phase, res[phase]["summary"], "clock readings:", len(res[phase]["clocks"]), flush=True)
+    print("cold vs warm reference:", res["cold"]["summary_vs_warm"], "| warm_gpu iters", res["warm_gpu_iters"],
+          "| first call ms", round(res["first_call_ms"], 1), "| script s", round(res["script_s"], 1))
+
+
+if __name__ == "__main__":
+    main()
