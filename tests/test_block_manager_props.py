@@ -18,8 +18,10 @@ few blocks. After every rule the manager's own `check_invariants()` runs, and th
 """
 from __future__ import annotations
 
+import os
+
 import pytest
-from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis import HealthCheck, Phase, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanoserve.block_manager import BlockManager, CacheConfig, hash_block
@@ -285,8 +287,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.num_used_blocks == used
 
 
+# Shrinking a failing run can take minutes; by default a failure is reported as found (deterministic, thanks to
+# derandomize). Set NANOSERVE_SHRINK=1 to minimise it.
+_SHRINK = os.environ.get("NANOSERVE_SHRINK") == "1"
 BlockManagerMachine.TestCase.settings = settings(
     max_examples=400, stateful_step_count=50, deadline=None, derandomize=True, database=None,
+    phases=tuple(Phase) if _SHRINK else (Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_block_manager_state_machine = BlockManagerMachine.TestCase
 
