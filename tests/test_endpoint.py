@@ -199,7 +199,7 @@ def test_nanoserve_bench_endpoint_cli(server, tmp_path):
     import json
     from nanoserve.bench import main, report
     out = tmp_path / "endpoint.json"
-    rc = main(["--endpoint", server, "--api-key", KEY, "--num-requests", "6", "--prompt-median", "16",
+    rc = main(["--endpoint", server, "--api-key", KEY, "--model", "tiny-qwen2-v1", "--num-requests", "6", "--prompt-median", "16",
                "--prompt-max", "64", "--output-median", "4", "--output-max", "6", "--rate", "20",
                "--vocab-size", "3072", "--max-model-len", "2048", "--out", str(out)])
     assert rc == 0
