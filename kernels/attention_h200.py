@@ -26,12 +26,7 @@ from nanoserve.attention import (choose_num_splits, decode_attention, decode_att
 DEV = torch.device("cuda")
 
 
-def meta_info():
-    sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
-                                                                 capture_output=True, text=True).stdout.strip() or "unknown"
-    return {"git_sha": sha, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "triton": triton.__version__, "python": sys.version.split()[0],
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+from nanoserve.bench import run_meta as meta_info   # git sha, GPU, versions, date
 
 
 def rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -26,12 +26,7 @@ SIZE, COUNT = 4096, 48
 COMMAND = "PYTHONPATH=. python kernels/clock_ramp_h200.py --out $OUT"
 
 
-def meta_info():
-    sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
-                                                                 capture_output=True, text=True).stdout.strip() or "unknown"
-    return {"git_sha": sha, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "triton": triton.__version__, "python": sys.version.split()[0],
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+from nanoserve.bench import run_meta as meta_info   # git sha, GPU, versions, date
 
 
 SMI_FIELDS = ("clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap,temperature.gpu",

@@ -21,13 +21,7 @@ SHAPES = {"0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layer
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)}
 
 
-def meta_info():
-    sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
-                                                                 capture_output=True, text=True).stdout.strip() or "unknown"
-    import transformers, triton
-    return {"git_sha": sha, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+from nanoserve.bench import run_meta as meta_info   # git sha, GPU, versions, date
 
 
 def make_checkpoint(path: Path, shape: str, seed: int = 0):

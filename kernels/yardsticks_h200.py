@@ -19,13 +19,7 @@ SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
              vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
 
 
-def meta_info():
-    sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
-                                                                 capture_output=True, text=True).stdout.strip() or "unknown"
-    import transformers
-    return {"git_sha": sha, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0],
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+from nanoserve.bench import run_meta as meta_info   # git sha, GPU, versions, date
 
 
 def make_checkpoint(path: Path, seed: int = 0):
