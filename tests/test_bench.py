@@ -207,13 +207,15 @@ def test_summarize():
 
 @pytest.mark.parametrize("name, want", [("continuous", ("continuous", None)), ("static:2", ("static", 2)),
                                         ("static:64", ("static", 64)), ("hf-static:8", ("hf-static", 8)),
-                                        ("hf-cb", ("hf-cb", None))])
+                                        ("hf-cb", ("hf-cb", None)), ("continuous-eager", ("continuous-eager", None)),
+                                        ("static-eager:8", ("static-eager", 8))])
 def test_parse_engine(name, want):
     assert parse_engine(name) == want
 
 
 @pytest.mark.parametrize("name", ["static:0", "static", "static:", "static:-1", "static:x", "hf-static", "foo",
-                                  "hf-cb:3", "continuous:4", "", "Continuous"])
+                                  "hf-cb:3", "continuous:4", "", "Continuous",
+                                  "hf-cb-eager", "static-eager", "eager"])
 def test_parse_engine_rejects(name):
     with pytest.raises(ValueError, match="unknown engine"):
         parse_engine(name)
