@@ -21,7 +21,7 @@ timeout 260 python -m nanoserve.bench --model $MODEL $COMMON $ENGINE --engines c
   --out $OUT/bench_lognormal_offline.json 2>&1 | filter
 timeout 150 python -m nanoserve.bench --model $MODEL $COMMON $ENGINE --rate $RATE --engines continuous,static:32 \
   --out $OUT/bench_lognormal_poisson.json 2>&1 | filter
-python -m nanoserve serve --model $MODEL --port 8765 --served-model-name qwen-0.5b-random $ENGINE --no-access-log \
+python -m nanoserve.server --model $MODEL --port 8765 --served-model-name qwen-0.5b-random $ENGINE --no-access-log \
   --log-level warning > $OUT/serve_h200.log 2>&1 &
 SERVER=$!
 python - <<'PY'

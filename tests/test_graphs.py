@@ -1,0 +1,57 @@
+"CUDA-graph bookkeeping on the CPU: buckets, padding, static buffers (replay itself is checked on the H200)."
+import pytest
+import torch
+
+from nanoserve.engine import LLM, SamplingParams
+from nanoserve.graphs import DecodeGraphs, graph_batch_sizes, pick_bucket
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 63, 64, 65, 100, 255, 256, 257, 1000])
+def test_buckets_cover_every_batch(n):
+    sizes = graph_batch_sizes(n)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == n and sizes[0] == 1
+    for b in range(1, n + 1):
+        got = pick_bucket(b, sizes)
+        assert got >= b and got - b <= max(b, 16)            # never more padding than rows (or 16 above 64)
+    assert pick_bucket(n + 1, sizes) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_bucket_sizes_reject_bad_input(bad):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_batch_sizes(bad)
+
+
+def _tokens(static_buffers: bool, dtype="float32", temperature=0.0):
+    llm = LLM(dtype=dtype, attention_backend="triton", enforce_eager=True, num_kv_blocks=8, max_num_seqs=5,
+              max_num_batched_tokens=48)
+    if static_buffers: llm.runner.enable_graphs(graph_batch_sizes(5), llm.max_model_len, capture=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, llm.config.vocab_size, (int(n),), generator=g).tolist() for n in (3, 20, 9, 33, 14, 5, 27)]
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i, ignore_eos=True)
+              for i, m in enumerate((11, 4, 23, 9, 16, 30, 2))]
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], llm.runner.graphs.num_replays if static_buffers else 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_static_buffer_path_gives_the_eager_tokens(temperature):
+    eager, _ = _tokens(False, temperature=temperature)
+    padded, replays = _tokens(True, temperature=temperature)
+    assert padded == eager
+    assert replays > 10
+
+
+def test_graphs_refuse_a_cpu_capture_and_bad_sizes():
+    llm = LLM(dtype="float32", enforce_eager=True, num_kv_blocks=16, max_num_seqs=2)
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(llm.model, llm.runner.kv_caches, [1, 2], 64, 16, llm.device)
+    with pytest.raises(ValueError, match="increasing"):
+        DecodeGraphs(llm.model, llm.runner.kv_caches, [2, 1], 64, 16, llm.device, capture=False)
+    assert llm.runner.graphs is None and not llm.use_cuda_graphs     # no graphs on a CPU
+
+
+def test_eager_path_unchanged_when_graphs_are_off():
+    llm = LLM(dtype="float32", num_kv_blocks=16, max_num_seqs=2)
+    out = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and llm.runner.graphs is None
