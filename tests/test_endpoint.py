@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 
 from nanoserve.bench import BenchRequest, WorkloadSpec, make_workload, poisson_send_times, summarize
 from nanoserve.endpoint import run_endpoint, parse_sse_line, chunk_info
+from nanoserve.tokenizer import TINY_MODEL_NAME, build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "endpoint-key"
@@ -33,7 +34,8 @@ def server(tmp_path_factory):
     env = {**os.environ, "NANOSERVE_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("NANOSERVE_API_KEY", None)
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--port", "0", "--no-access-log",
+        tiny = build_tiny_model(cache / TINY_MODEL_NAME)       # the random tiny model: fast, not the trained default
+        proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--model", str(tiny), "--port", "0", "--no-access-log",
                                  "--log-level", "warning", "--api-key", KEY, "--max-num-seqs", "32"],
                                 stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         deadline = time.monotonic() + 180
@@ -175,7 +177,8 @@ def test_killed_server_mid_run(tmp_path):
     env.pop("NANOSERVE_API_KEY", None)
     log = tmp_path / "server.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--port", "0", "--no-access-log",
+        tiny = build_tiny_model(cache / TINY_MODEL_NAME)       # the random tiny model: fast, not the trained default
+        proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--model", str(tiny), "--port", "0", "--no-access-log",
                                  "--log-level", "warning", "--max-num-seqs", "4"], stdout=f, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT)
     try:

@@ -14,7 +14,7 @@ import torch
 from helpers import (assert_all_free, build_tokenizer_source, make_checkpoint, quiet_transformers, random_prompt,
                      torch_threads)
 from nanoserve.engine import LLM, RequestOutput, SamplingParams
-from nanoserve.tokenizer import IM_END, IM_START, TINY_MODEL_NAME
+from nanoserve.tokenizer import IM_END, IM_START, TINY_MODEL_NAME, is_model_folder, shipped_model_dir
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -95,8 +95,9 @@ def _token_pieces(llm, prompt, n):
 
 # -- the built-in model ------------------------------------------------------------------------------------------
 
-def test_builtin_model_is_built_in_the_session_cache(builtin, cache_dir):
-    assert builtin.model_dir == cache_dir / TINY_MODEL_NAME
+def test_builtin_model_is_the_shipped_trained_one(builtin, cache_dir):
+    assert builtin.model_dir == shipped_model_dir() and is_model_folder(builtin.model_dir)
+    assert not (cache_dir / TINY_MODEL_NAME).exists()          # the random fallback is not built when not needed
     assert builtin.config.vocab_size == 3072 and builtin.dtype == torch.float32
     assert builtin.eos_token_ids >= {builtin.tokenizer.convert_tokens_to_ids(IM_END)}
 

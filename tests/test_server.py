@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.tokenizer import TINY_MODEL_NAME, build_tiny_model
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -73,14 +75,16 @@ def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("nanoserve-cache")
     e = {**os.environ, "NANOSERVE_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     e.pop("NANOSERVE_API_KEY", None)
+    # the servers under test serve the random tiny model (fast: 2 layers of 64), not the trained default
+    e["NANOSERVE_TEST_MODEL"] = str(build_tiny_model(cache / TINY_MODEL_NAME))
     return e
 
 
 def start(tmp_path_factory, env, name, args, cmd=None, extra_env=None) -> ServerProcess:
     cmd = cmd or [sys.executable, "-m", "nanoserve.server"]
     log = tmp_path_factory.mktemp(name) / "server.log"
-    return ServerProcess([*cmd, "--port", "0", "--no-access-log", "--log-level", "warning", *args], log,
-                         {**env, **(extra_env or {})})
+    return ServerProcess([*cmd, "--port", "0", "--no-access-log", "--log-level", "warning",
+                          "--model", env["NANOSERVE_TEST_MODEL"], *args], log, {**env, **(extra_env or {})})
 
 
 @pytest.fixture(scope="module")
