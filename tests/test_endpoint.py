@@ -177,7 +177,7 @@ def test_killed_server_mid_run(tmp_path):
     env.pop("NANOSERVE_API_KEY", None)
     log = tmp_path / "server.log"
     with open(log, "w") as f:
-        tiny = build_tiny_model(cache / TINY_MODEL_NAME)       # the random tiny model: fast, not the trained default
+        tiny = build_tiny_model(tmp_path / TINY_MODEL_NAME)       # the random tiny model: fast, not the trained default
         proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--model", str(tiny), "--port", "0", "--no-access-log",
                                  "--log-level", "warning", "--max-num-seqs", "4"], stdout=f, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT)

@@ -4,6 +4,9 @@ import torch
 
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.graphs import DecodeGraphs, graph_batch_sizes, pick_bucket
+from nanoserve.tokenizer import ensure_default_model
+
+TINY = ensure_default_model()      # the random tiny model: 2 layers of 64, fast through the Triton interpreter
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 63, 64, 65, 100, 255, 256, 257, 1000])
@@ -23,7 +26,7 @@ def test_bucket_sizes_reject_bad_input(bad):
 
 
 def _tokens(static_buffers: bool, dtype="float32", temperature=0.0):
-    llm = LLM(dtype=dtype, attention_backend="triton", enforce_eager=True, num_kv_blocks=8, max_num_seqs=5,
+    llm = LLM(TINY, dtype=dtype, attention_backend="triton", enforce_eager=True, num_kv_blocks=8, max_num_seqs=5,
               max_num_batched_tokens=48)
     if static_buffers: llm.runner.enable_graphs(graph_batch_sizes(5), llm.max_model_len, capture=False)
     g = torch.Generator().manual_seed(7)
@@ -43,7 +46,7 @@ def test_static_buffer_path_gives_the_eager_tokens(temperature):
 
 
 def test_graphs_refuse_a_cpu_capture_and_bad_sizes():
-    llm = LLM(dtype="float32", enforce_eager=True, num_kv_blocks=16, max_num_seqs=2)
+    llm = LLM(TINY, dtype="float32", enforce_eager=True, num_kv_blocks=16, max_num_seqs=2)
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs(llm.model, llm.runner.kv_caches, [1, 2], 64, 16, llm.device)
     with pytest.raises(ValueError, match="increasing"):
@@ -52,6 +55,6 @@ def test_graphs_refuse_a_cpu_capture_and_bad_sizes():
 
 
 def test_eager_path_unchanged_when_graphs_are_off():
-    llm = LLM(dtype="float32", num_kv_blocks=16, max_num_seqs=2)
+    llm = LLM(TINY, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     out = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and llm.runner.graphs is None
