@@ -1,0 +1,275 @@
+"""Weight-only quantization (nanoserve.quant): formats, the Triton GEMV/GEMM kernels through the interpreter,
+QuantLinear, quantize_model on a small random Qwen2. The chapter nbs/10_quant.ipynb has the same checks inline,
+with the quality and memory measurements."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"           # before anything defines a Triton kernel
+
+import pytest
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM
+from nanoserve.quant import (METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear, QuantReport, choose_split_k,
+                             dequantize_int4, dequantize_int8, kernels_support, pack_int4, quant_gemm, quant_gemv,
+                             quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
+                             quantized_linear_bytes, unpack_int4, weight_bytes)
+
+interp = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- formats -----------------------------------------------------------------------------------------------------
+
+def test_pack_unpack_all_values():
+    v = torch.arange(16, dtype=torch.uint8)
+    pairs = torch.cartesian_prod(v, v).reshape(2, -1)                        # [2, 256]: every (low, high) pair
+    assert torch.equal(unpack_int4(pack_int4(pairs)), pairs)
+    assert pack_int4(torch.tensor([[15, 0, 0, 15]])).tolist() == [[15, 240]]
+
+
+def test_int8_round_trip_within_half_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 96, generator=g) * torch.logspace(-4, 2, 7)[:, None]
+    w[3] = 0
+    q, s = quantize_int8(w.to(torch.bfloat16))
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (7,)
+    err = (dequantize_int8(q, s) - w.to(torch.bfloat16).float()).abs().amax(1)
+    assert (err <= s / 2 * (1 + 1e-5)).all()
+    assert int(q.abs().max()) == 127 and dequantize_int8(q, s)[3].abs().max() == 0
+
+
+@pytest.mark.parametrize("G", [2, 16, 64, 128])
+def test_int4_round_trip_within_half_step_per_group(G):
+    g = torch.Generator().manual_seed(G)
+    w = torch.randn(9, 256, generator=g)
+    w[1] += 4.0                    # all positive
+    w[2] -= 4.0                    # all negative
+    w[3] = 0.0
+    w[4, :G] = 0.7                 # constant group
+    qw, s, z = quantize_int4(w, G)
+    assert qw.shape == (9, 128) and qw.dtype == torch.uint8 and s.shape == z.shape == (9, 256 // G)
+    assert int(z.max()) <= 15
+    err = (dequantize_int4(qw, s, z, G) - w).abs().reshape(9, -1, G).amax(-1)
+    assert (err <= s / 2 * (1 + 1e-5) + 1e-7).all()
+    assert dequantize_int4(qw, s, z, G)[3].abs().max() == 0
+
+
+def test_int4_bad_group_sizes():
+    w = torch.randn(4, 96)
+    for G, msg in ((64, "group_size 64 does not divide in_features 96"), (0, "even"), (3, "even"), (-2, "even")):
+        with pytest.raises(ValueError, match=msg): quantize_int4(w, G)
+
+
+# -- kernels, through the interpreter ------------------------------------------------------------------------------
+
+def _case(method, K, G, dtype, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    N = 200
+    w = torch.randn(N, K, generator=g) * 0.05
+    packed = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, G)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return packed, b, g
+
+
+@interp
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("K,G", [(256, 64), (384, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernels_match_reference(method, K, G, dtype):
+    packed, b, g = _case(method, K, G, dtype, True, K + G)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for T in (1, 3, 17, 40):
+        x = torch.randn(T, K, generator=g).to(dtype)
+        for bias in (b, None):
+            ref = quant_matmul_ref(x.float(), *packed, bias, method, G)
+            paths = {"gemm": quant_gemm(x, *packed, bias, method, G), "auto": quant_matmul(x, *packed, bias, method, G)}
+            if T <= 17:
+                paths["gemv"] = quant_gemv(x, *packed, bias, method, G)
+                paths["gemv-1"] = quant_gemv(x, *packed, bias, method, G, split_k=1)
+            for name, out in paths.items():
+                assert out.dtype == dtype and out.shape == (T, 200)
+                rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                assert rel < tol, (name, T, bias is not None, rel)
+
+
+@interp
+def test_gemv_split_edge_cases():
+    packed = quantize_int4(torch.randn(64, 256), 64)
+    x = torch.randn(2, 256)
+    ref = quant_matmul_ref(x, *packed, None, "int4", 64)
+    for split in (1, 2, 3, 4, 99):                       # 4 K tiles: 3 splits of (2, 2, 0) become 2; 99 becomes 4
+        torch.testing.assert_close(quant_gemv(x, *packed, None, "int4", 64, split_k=split), ref, atol=1e-5, rtol=1e-5)
+    assert quant_gemv(torch.randn(0, 256), *packed, None, "int4", 64).shape == (0, 64)
+    assert quant_gemm(torch.randn(0, 256), *packed, None, "int4", 64).shape == (0, 64)
+    xs = torch.randn(4, 512)[:, ::2]                                            # non-contiguous rows: copied
+    torch.testing.assert_close(quant_gemv(xs, *packed, None, "int4", 64), quant_matmul_ref(xs, *packed, None, "int4", 64),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_split_rule_depends_on_shapes_only():
+    assert choose_split_k(1, 3584, 18944, 4, 64, 128, 132) == 10       # 7B down_proj at batch 1
+    assert choose_split_k(1, 37888, 3584, 4, 64, 128, 132) == 1        # 7B gate_up_proj: enough output tiles
+    for M in (1, 8, 32):
+        for N, K in ((896, 4864), (1152, 896), (4608, 3584)):
+            s = choose_split_k(M, N, K, 4, 64, 128, 132)
+            tiles = -(-K // 128)
+            assert 1 <= s <= min(16, tiles) and -(-tiles // -(-tiles // s)) == s    # no empty splits
+
+
+def test_kernels_support():
+    assert kernels_support("int8", None) and kernels_support("int4", 32) and kernels_support("int4", 128)
+    assert not kernels_support("int4", 16)
+    with pytest.raises(ValueError, match="group_size % 32"):
+        quant_matmul(torch.randn(1, 64), *quantize_int4(torch.randn(8, 64), 16), None, "int4", 16)
+
+
+# -- QuantLinear ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quant_linear_paths(method):
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(128, 80, bias=True)
+    with torch.no_grad(): lin.bias.normal_(generator=g)
+    ql = QuantLinear.from_linear(lin, method, 64, name="layers.0.self_attn.qkv_proj")
+    assert (ql.in_features, ql.out_features, ql.method, ql.group_size) == (128, 80, method, 64 if method == "int4" else None)
+    x = torch.randn(3, 7, 128, generator=g)
+    out = ql(x)
+    assert out.shape == (3, 7, 80)
+    torch.testing.assert_close(out, F.linear(x, ql.dequantized_weight(), lin.bias), atol=1e-5, rtol=1e-5)
+    assert ((out - lin(x)).norm() / lin(x).norm()) < (0.01 if method == "int8" else 0.06)
+    if not torch.cuda.is_available():
+        assert not ql.use_kernels(x)                    # CPU default: the torch reference
+        ql.kernels = True
+        assert ql.use_kernels(x)
+        torch.testing.assert_close(ql(x), out, atol=1e-4, rtol=1e-4)
+
+
+def test_quant_linear_errors():
+    lin = nn.Linear(96, 8)
+    with pytest.raises(ValueError, match="layers.2.mlp.down_proj: group_size 64 does not divide in_features 96"):
+        QuantLinear.from_linear(lin, "int4", 64, name="layers.2.mlp.down_proj")
+    with pytest.raises(ValueError, match="one of int8, int4"):
+        QuantLinear.from_linear(lin, "nf4")
+
+
+# -- quantize_model ------------------------------------------------------------------------------------------------
+
+def small_model(tie=True, dtype=torch.float32, seed=0):
+    cfg = ModelConfig(vocab_size=384, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"): p.uniform_(0.5, 1.5)
+            else: p.normal_(0.0, 0.03)
+    m.rotary.build("cpu", dtype)
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+def logits(model, ids, block_size=16):
+    cfg, T = model.config, ids.numel()
+    dtype = model.norm.weight.dtype
+    nb = -(-T // block_size)
+    caches = [(torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype),
+               torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype))
+              for _ in range(cfg.num_hidden_layers)]
+    meta = AttentionMetadata(torch.arange(T), prefills=[PrefillChunk(0, T, 0, torch.arange(nb))])
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(T), caches, meta))
+
+
+IDS = torch.randint(0, 384, (24,), generator=torch.Generator().manual_seed(2))
+
+
+def _linears(m):
+    return [getattr(getattr(l, p.split(".")[0]), p.split(".")[1]) for l in m.layers for p in QUANT_TARGETS]
+
+
+def test_quantize_model_close_and_smaller():
+    full = logits(small_model(), IDS)
+    errs, lin_bytes = {}, {"bf16": sum(weight_bytes(l) for l in _linears(small_model(dtype=torch.bfloat16)))}
+    for method, G in (("int8", 128), ("int4", 64), ("int4", 32)):
+        m = small_model()
+        rep = quantize_model(m, method, G)
+        assert isinstance(rep, QuantReport) and rep.num_replaced == 8 and not rep.lm_head_quantized
+        assert rep.group_size == (G if method == "int4" else None)
+        assert all(isinstance(l, QuantLinear) for l in _linears(m))
+        assert m.layers[0].self_attn.qkv_proj.bias is not None and m.layers[0].self_attn.o_proj.bias is None
+        assert rep.weight_bytes_after == weight_bytes(m) < rep.weight_bytes_before
+        assert rep.saved_bytes == rep.weight_bytes_before - rep.weight_bytes_after
+        errs[(method, G)] = ((logits(m, IDS) - full).norm() / full.norm()).item()
+        lin_bytes[(method, G)] = sum(weight_bytes(l) for l in _linears(m))
+    assert errs[("int8", 128)] < 0.03 and errs[("int4", 64)] < 0.3
+    assert errs[("int8", 128)] < errs[("int4", 32)]
+    assert lin_bytes[("int4", 64)] < lin_bytes[("int4", 32)] < lin_bytes[("int8", 128)] < lin_bytes["bf16"]
+
+
+def test_quantize_model_bf16_keeps_dtypes():
+    m = small_model(dtype=torch.bfloat16)
+    quantize_model(m, "int4", 64)
+    qkv = m.layers[1].self_attn.qkv_proj
+    assert qkv.bias.dtype == torch.bfloat16 and qkv.scales.dtype == torch.float32 and qkv.qweight.dtype == torch.uint8
+    assert logits(m, IDS).shape == (24, 384)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_quantize_lm_head(tie):
+    m = small_model(tie=tie)
+    full = logits(m, IDS)
+    before = weight_bytes(m)
+    rep = quantize_model(m, "int8", quantize_lm_head=True)
+    assert rep.num_replaced == 9 and rep.lm_head_quantized
+    if tie: assert isinstance(m.embed_tokens, QuantEmbedding) and m.embed_tokens.table is m.quant_lm_head
+    else: assert m.lm_head is m.quant_lm_head and isinstance(m.embed_tokens, nn.Embedding)
+    assert rep.weight_bytes_after == weight_bytes(m) and rep.weight_bytes_before == before
+    assert ((logits(m, IDS) - full).norm() / full.norm()) < 0.05
+
+
+def test_quantize_model_bad_inputs_change_nothing():
+    m = small_model()
+    for args, msg in (((m, "int2"), "unknown quantization method 'int2': one of int8, int4"),
+                      ((m, "int4", 0), "even integer >= 2"), ((m, "int4", 7), "even integer >= 2"),
+                      ((m, "int4", 512), "layers.0.self_attn.qkv_proj: group_size 512 does not divide in_features 256"),
+                      ((m, "int4", 256), "layers.0.mlp.down_proj: group_size 256 does not divide in_features 192")):
+        with pytest.raises(ValueError, match=msg): quantize_model(*args)
+    assert all(isinstance(l, nn.Linear) for l in _linears(m))
+    quantize_model(m, "int8")
+    with pytest.raises(ValueError, match="already quantized"): quantize_model(m, "int4", 64)
+
+
+def test_quantize_on_meta_counts_exact_bytes():
+    "Quantizing the 0.5B shape on the meta device: the byte count equals the formula (no memory used)."
+    from nanoserve.bench import SHAPES
+    cfg = ModelConfig(**SHAPES["0.5B"], dtype="bfloat16")
+    with torch.device("meta"): m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    before = weight_bytes(m)
+    rep = quantize_model(m, "int4", 128)
+    h, inter, qkv = 896, 4864, 1152
+    mats = [(qkv, h), (h, h), (2 * inter, h), (h, inter)]
+    saved = 24 * sum(2 * N * K - quantized_linear_bytes(N, K, "int4", 128) for N, K in mats)
+    assert rep.weight_bytes_before == before and rep.saved_bytes == saved
+    assert 490 * 2**20 < saved < 600 * 2**20                                    # the linear layers alone
+    with torch.device("meta"): m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    assert quantize_model(m, "int4", 128, quantize_lm_head=True).saved_bytes >= 600 * 2**20
+
+
+def test_import_without_interpret_on_cpu():
+    "The package imports on a CPU machine with TRITON_INTERPRET unset (no driver queries at import time)."
+    import subprocess, sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", "import nanoserve.quant as q; print(q.METHODS)"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
