@@ -273,3 +273,36 @@ def test_import_without_interpret_on_cpu():
     r = subprocess.run([sys.executable, "-c", "import nanoserve.quant as q; print(q.METHODS)"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# -- through the engine ---------------------------------------------------------------------------------------
+def test_engine_quantized_equals_dequantized_weights():
+    "The engine with int8/int4 weights generates what the fp32 model with the dequantized weights generates."
+    from nanoserve.engine import LLM, SamplingParams
+    from nanoserve.quant import QuantLinear
+    from nanoserve.tokenizer import default_model
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    for method, group in (("int8", 128), ("int4", 16)):
+        q = LLM(default_model(), dtype="float32", quantization=method, quant_group_size=group, max_num_seqs=4)
+        assert q.quant_report.method == method and q.quant_report.weight_bytes_after < q.quant_report.weight_bytes_before
+        assert f"{method} weights" in repr(q)
+        ref = LLM(default_model(), dtype="float32", max_num_seqs=4)
+        qmods = dict(q.model.named_modules())
+        n = 0
+        for name, mod in ref.model.named_modules():
+            if isinstance(qmods.get(name), QuantLinear):
+                mod.weight.data.copy_(qmods[name].dequantized_weight(torch.float32)); n += 1
+        assert n == 4 * q.config.num_hidden_layers
+        assert [o.token_ids for o in q.generate(prompts, sp)] == [o.token_ids for o in ref.generate(prompts, sp)]
+
+
+def test_engine_quantization_errors():
+    from nanoserve.engine import LLM
+    from nanoserve.tokenizer import default_model
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM(default_model(), quantization="int3")
+    with pytest.raises(ValueError, match="down_proj: group_size 128 does not divide in_features 688"):
+        LLM(default_model(), quantization="int4")
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        LLM(default_model(), quantization="int8", tensor_parallel_size=2)
