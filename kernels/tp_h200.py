@@ -113,15 +113,18 @@ def measure(model_dir, res, name, tp, enforce_eager=False, offline=True):
         tps = [r["output_tokens_per_s"] for r in runs]
         row["offline"] = {"workload": spec.__dict__, "numerator": "output tokens actually generated (EOS ignored)",
                           "runs": runs, "disagree": (max(tps) - min(tps)) > 0.15 * min(tps)}
+    res["rows"].append(row)           # recorded before shutdown (the first run hung in NCCL's teardown)
+    t0 = time.perf_counter()
     llm.close()
+    row["close_s"] = time.perf_counter() - t0
     del llm; torch.cuda.empty_cache()
-    res["rows"].append(row)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cache", default="/tmp/nscache")
+    ap.add_argument("--eager", action="store_true", help="also TP=2 with enforce_eager (a control for the graphs)")
     args = ap.parse_args()
     res = {"meta": run_meta() | {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
            "command": "PYTHONPATH=. python kernels/tp_h200.py --out $OUT", "shape": "7B", "dtype": "bfloat16", "rows": []}
@@ -130,22 +133,24 @@ def main():
     model_dir = gpu_random_checkpoint("7B", Path(args.cache))
     res["checkpoint_s"] = time.perf_counter() - t0
     print("checkpoint", model_dir, round(res["checkpoint_s"], 1), "s", flush=True)
-    for name, tp, eager, offline in (("tp1", 1, False, True), ("tp2", 2, False, True), ("tp2-eager", 2, True, False)):
+    configs = [("tp1", 1, False, True), ("tp2", 2, False, True)] + ([("tp2-eager", 2, True, False)] if args.eager else [])
+    for name, tp, eager, offline in configs:
         t1 = time.perf_counter()
         try: measure(model_dir, res, name, tp, eager, offline)
         except Exception as e:
             import traceback; traceback.print_exc(); res[f"{name}_error"] = repr(e)
         print(f"{name}: {time.perf_counter() - t1:.0f} s", flush=True)
+        rows = {r["config"]: r for r in res["rows"]}
+        if "tp1" in rows and "tp2" in rows and "greedy_agreement" not in res:
+            a, b = rows["tp1"]["greedy_tokens"], rows["tp2"]["greedy_tokens"]
+            res["greedy_agreement"] = {"identical_sequences": sum(x == y for x, y in zip(a, b)), "sequences": len(a),
+                                       "agreeing_prefixes": [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q),
+                                                                  len(x)) for x, y in zip(a, b)]}
+            print("greedy agreement", res["greedy_agreement"], flush=True)
         out.write_text(json.dumps(res, indent=1))
-    rows = {r["config"]: r for r in res["rows"]}
-    if "tp1" in rows and "tp2" in rows:
-        a, b = rows["tp1"]["greedy_tokens"], rows["tp2"]["greedy_tokens"]
-        res["greedy_agreement"] = {"identical_sequences": sum(x == y for x, y in zip(a, b)), "sequences": len(a),
-                                   "agreeing_prefixes": [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
-                                                         for x, y in zip(a, b)]}
-        print("greedy agreement", res["greedy_agreement"], flush=True)
-    out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)          # do not let an interpreter-exit teardown of NCCL hold the device call

@@ -58,3 +58,12 @@ def test_eager_path_unchanged_when_graphs_are_off():
     llm = LLM(TINY, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
     out = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and llm.runner.graphs is None
+
+
+def test_compile_kernels_runs_every_split_variant():
+    "The start-up compile of the decode kernel's variants runs (here through the interpreter) and writes nothing."
+    llm = LLM(TINY, dtype="float32", attention_backend="triton", enforce_eager=True, num_kv_blocks=8, max_num_seqs=2)
+    llm.runner.kv_cache.normal_()
+    before = llm.runner.kv_cache.clone()
+    llm.runner.compile_kernels()
+    assert torch.equal(llm.runner.kv_cache, before)
