@@ -33,6 +33,9 @@ def test_two_ranks_same_tokens_as_one(single):
         assert llm.generate(PROMPTS[0], greedy)[0].token_ids == ref.generate(PROMPTS[0], greedy)[0].token_ids
     finally:
         llm.close()
+    assert [p.returncode for p in llm.parallel.procs] == [0]          # the worker left cleanly when told to stop
+    import torch.distributed as dist
+    assert not dist.is_initialized()                                 # and so did rank 0: a new engine can start
 
 
 def test_dead_worker_is_an_error_not_a_hang():
