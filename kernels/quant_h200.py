@@ -1,22 +1,27 @@
-"""Weight-only quantization on the GPU (issue: weight-only quantization).
+"""H200 measurements for the weight-only quantization chapter (nbs/10_quant.ipynb): kernel correctness, a GEMV
+configuration sweep, prefill GEMMs, the engine's decode step and KV sizing, with random weights (no checkpoint).
 
 Run on the device machine from the repo root:
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_h200.py --out $OUT
-Writes quant_h200.json (raw numbers, git sha, GPU, versions, date) to --out; copy it to figures/data/.
+Writes quant_h200.json (raw numbers, git sha, GPU, versions, date) to --out after EVERY part (a run cut off early
+still leaves data); copy it to figures/data/. The whole run aims at < 160 s (Triton compiles, ~0.5-1 s each, are
+most of it); a part that starts past BUDGET_S is skipped and marked so. In bf16, INT4 group 128:
 
-With random weights of the Qwen2.5 shapes (BRIEF.md), in bf16:
-1. correctness: both Triton paths (split-K GEMV and tiled GEMM), INT8 and INT4 (group 128), against the
-   reference (dequantize to fp32, then matmul in fp32) on every linear layer shape of the 0.5B and 7B models,
-   with the QKV bias; max relative error; and one CUDA-graph capture + replay of each path;
-2. per-layer microbenchmark: each linear at T = 1, 8, 32, 512 rows for bf16 (`F.linear`), INT8 and INT4, timed
-   with `triton.testing.do_bench` (median, L2 flushed between repetitions) twice, >15% disagreement flagged;
-   achieved GB/s (weight bytes of the format / time) against the copy bandwidth measured in the same run;
-3. engine decode step: `LLM(..., quantization=q)` for q in (None, "int8", "int4"), 0.5B and 7B shapes, ms per
-   decode-only `LLM.step()` at batch 1, 8, 32 (CUDA graphs + fused kernels, the engine's GPU defaults; warm-up
-   before every row, timed twice), the model's weight bytes and the engine's KV block count;
-4. KV sizing: the number of KV blocks the engine sizes by itself (gpu_memory_utilization 0.9) for each q.
-Each part is guarded: an error is recorded in the JSON and the next part runs. The whole run aims at < 5 min;
-parts are skipped (and marked so) when the time budget runs out.
+a. correctness, 7B layer shapes (qkv/o/gate_up/down), INT8 + INT4, T in (1, 4, 16, 512): max relative error vs the
+   reference (dequantize to fp32, fp32 matmul) of the FMA GEMV (T <= 4), the tensor-core path with split-K
+   (`quant_gemm`, every T: at 4 and 16 rows it is the old split-K tl.dot GEMV, at 512 the tiled GEMM) and the
+   dispatch (`quant_matmul`); one CUDA-graph capture + replay of each path;
+b. GEMV sweep at T = 1 on the 7B shapes (no bias): the package's rule first, then BLOCK_N x BLOCK_K x num_warps
+   candidates (methods interleaved, stops after SWEEP_S seconds), each timed with triton.testing.do_bench (rep 20 ms,
+   L2 flushed), GB/s of the format's bytes against bf16 F.linear and the copy bandwidth of the same run; then the
+   best with SPLIT_K = 1 where the rule split K. The best per (method, layer) goes into
+   nanoserve.quant.GEMV_OVERRIDES, so part d runs with it, and is recorded ("chosen");
+c. GEMM at T = 512 for gate_up and down: bf16 F.linear, INT8, INT4 (do_bench);
+d. engine decode step: LLM(..., quantization=q) for q in (None, "int8", "int4"), 7B shape at batch 1, 8, 32, then
+   0.5B at batch 1, 8: ms per decode-only LLM.step() (CUDA graphs, the engine's GPU defaults), timed twice
+   (nanoserve.measure.time_twice) after warm_gpu(1 s); every LLM is deleted (gc + empty_cache) before the next;
+e. KV sizing: 0.5B shape, gpu_memory_utilization 0.9, enforce_eager: weight bytes and num_kv_blocks per q.
+Each part is guarded: an error is recorded in the JSON and the next part runs.
 """
 import argparse, gc, json, os, random, shutil, sys, tempfile, time, traceback
 from pathlib import Path
@@ -26,17 +31,23 @@ import torch.nn.functional as F
 
 from nanoserve.bench import SHAPES, run_meta
 from nanoserve.measure import time_twice, warm_gpu
-from nanoserve.quant import (QuantLinear, quant_gemm, quant_gemv, quant_matmul, quant_matmul_ref, quantize_int4,
-                             quantize_int8, weight_bytes)
+import nanoserve.quant as Q
+from nanoserve.quant import (GEMV_OVERRIDES, gemm_config, gemv_config, quant_gemm, quant_gemv, quant_matmul,
+                             quant_matmul_ref, quantize_int4, quantize_int8, weight_bytes)
 
-DISAGREE = 0.15
 GROUP = 128
 T0 = time.perf_counter()
-BUDGET_S = 285.0
+BUDGET_S = 130.0           # no part (and no engine) starts after this; KV sizing (small, eager) gets 10 s more
+SWEEP_S = 25.0             # the GEMV sweep's own budget (compiles dominate)
+METHODS = ("int8", "int4")
 
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
+
+
+def over(limit=BUDGET_S):
+    return time.perf_counter() - T0 > limit
 
 
 def layer_shapes(shape):
@@ -59,99 +70,179 @@ def packed(w, method):
     return quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, GROUP)
 
 
+def fmt_bytes(p):
+    return sum(t.numel() * t.element_size() for t in p if t is not None)
+
+
 def rel_err(out, ref):
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
+def bench(fn, rep=20):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def gbps(nbytes, ms):
+    return nbytes / (ms / 1e3) / 1e9
+
+
 def copy_bandwidth_GBps(nbytes=1 << 30):
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda"); y = torch.empty_like(x)
-    t = time_twice(lambda: y.copy_(x), warmup_s=1.0, repeats=10)
+    ms = bench(lambda: y.copy_(x), rep=50)
     del x, y; torch.cuda.empty_cache()
-    return 2 * nbytes / (t.median_ms / 1e3) / 1e9, t.disagree
+    return 2 * nbytes / (ms / 1e3) / 1e9
 
 
-# -- 1. correctness ------------------------------------------------------------------------------------------------
+def cleanup():
+    gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+
+
+# -- a. correctness ------------------------------------------------------------------------------------------------
 
 def correctness(res):
     rows = []
-    for shape in ("0.5B", "7B"):
-        for name, N, K, has_bias in layer_shapes(shape):
-            w, b = make_layer(N, K, has_bias)
-            for method in ("int8", "int4"):
-                p = packed(w, method)
-                g = torch.Generator(device="cuda").manual_seed(1)
-                for T in (1, 8, 16, 32, 33, 512):
-                    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
-                    ref = quant_matmul_ref(x.float(), *p, b, method, GROUP)               # fp32 reference
-                    ref_bf16 = quant_matmul_ref(x, *p, b, method, GROUP)                   # the torch path in bf16
-                    row = {"shape": shape, "layer": name, "N": N, "K": K, "method": method, "T": T,
-                           "auto": rel_err(quant_matmul(x, *p, b, method, GROUP), ref),
-                           "torch_bf16_path": rel_err(ref_bf16, ref)}
-                    if T <= 32: row["gemv"] = rel_err(quant_gemv(x, *p, b, method, GROUP), ref)
-                    row["gemm"] = rel_err(quant_gemm(x, *p, b, method, GROUP), ref)
-                    rows.append(row)
-                del p
-            del w, b; torch.cuda.empty_cache()
-            worst = max(max(r.get("gemv", 0), r["gemm"], r["auto"]) for r in rows if r["shape"] == shape and r["layer"] == name)
-            log("correctness", shape, name, f"max rel err {worst:.2e}")
-    res["correctness"] = {"reference": "dequantize to fp32, fp32 matmul (x rounded to bf16 first)",
-                          "max_rel_err": max(max(r.get("gemv", 0), r["gemm"], r["auto"]) for r in rows), "rows": rows}
-    # CUDA graphs: capture each path once and replay it on new inputs
-    graph = {}
-    w, b = make_layer(1152, 896, True)
-    for method in ("int8", "int4"):
+    res["correctness"] = {"reference": "dequantize to fp32, fp32 matmul (x rounded to bf16 first)", "rows": rows}
+    for name, N, K, has_bias in layer_shapes("7B"):
+        w, b = make_layer(N, K, has_bias)
+        for method in METHODS:
+            p = packed(w, method)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            for T in (1, 4, 16, 512):
+                x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
+                ref = quant_matmul_ref(x.float(), *p, b, method, GROUP)                   # fp32 reference
+                row = {"layer": name, "N": N, "K": K, "method": method, "T": T,
+                       "auto": rel_err(quant_matmul(x, *p, b, method, GROUP), ref),
+                       "torch_bf16_path": rel_err(quant_matmul_ref(x, *p, b, method, GROUP), ref)}
+                if T <= Q.GEMV_MAX_T: row["gemv_fma"] = rel_err(quant_gemv(x, *p, b, method, GROUP), ref)
+                if T > 1: row["gemm_splitk_dot"] = rel_err(quant_gemm(x, *p, b, method, GROUP), ref)
+                rows.append(row)
+                del x, ref
+            del p
+        del w, b; cleanup()
+        worst = max(max(v for k, v in r.items() if k in ("auto", "gemv_fma", "gemm_splitk_dot"))
+                    for r in rows if r["layer"] == name)
+        log("correctness 7B", name, f"max rel err {worst:.2e}")
+    res["correctness"]["max_rel_err"] = max(max(v for k, v in r.items() if k in ("auto", "gemv_fma", "gemm_splitk_dot"))
+                                            for r in rows)
+    graph = {}                                  # CUDA graphs: capture each path once, replay on new inputs
+    w, b = make_layer(4608, 3584, True)
+    for method in METHODS:
         p = packed(w, method)
-        for T in (1, 64):
-            x = torch.randn(T, 896, device="cuda", dtype=torch.bfloat16)
-            quant_matmul(x, *p, b, method, GROUP)                                        # compile outside capture
+        for T in (1, 16):
+            x = torch.randn(T, 3584, device="cuda", dtype=torch.bfloat16)
+            quant_matmul(x, *p, b, method, GROUP)                                         # compiled outside capture
             torch.cuda.synchronize()
             gr = torch.cuda.CUDAGraph()
             with torch.cuda.graph(gr): out = quant_matmul(x, *p, b, method, GROUP)
             x.copy_(torch.randn_like(x)); gr.replay(); torch.cuda.synchronize()
             graph[f"{method} T={T}"] = rel_err(out, quant_matmul_ref(x.float(), *p, b, method, GROUP))
+            del gr, out
+    del w, b, p; cleanup()
     res["correctness"]["cuda_graph_replay_rel_err"] = graph
     log("graph replay", graph)
 
 
-# -- 2. per-layer microbenchmark -----------------------------------------------------------------------------------
+# -- b. GEMV sweep -------------------------------------------------------------------------------------------------
 
-def bench_twice(fn):
-    import triton.testing
-    a = triton.testing.do_bench(fn, warmup=25, rep=80, return_mode="median")
-    b = triton.testing.do_bench(fn, warmup=10, rep=80, return_mode="median")
-    return a, b, abs(a - b) / min(a, b) > DISAGREE
+def candidates(method):
+    "The package's rule first ({}: no override), then one change at a time, then combinations."
+    bk = [128, 256, 512] if method == "int8" else [256, 512, 1024]
+    base = {k: v for k, v in gemv_config(1, 3584, 3584, method, GROUP, 132).items() if k in ("BLOCK_N", "BLOCK_K", "num_warps")}
+    out, seen = [{}], [base]
+    def add(c):
+        if c not in seen: seen.append(c); out.append(c)
+    for n in (16, 64): add({**base, "BLOCK_N": n})
+    for k in bk: add({**base, "BLOCK_K": k})
+    add({**base, "num_warps": 8})
+    for n in (16, 32, 64):
+        for k in bk:
+            for nw in (4, 8): add({"BLOCK_N": n, "BLOCK_K": k, "num_warps": nw})
+    return out
 
 
-def microbench(res, shapes=("0.5B", "7B"), Ts=(1, 8, 32, 512)):
-    bw, dis = copy_bandwidth_GBps()
-    res["copy_bandwidth_GBps"], res["copy_bandwidth_disagree"] = bw, dis
+def sweep(res):
+    sec = res["gemv_sweep"] = {"T": 1, "timer": "triton.testing.do_bench median, rep 20 ms, L2 flushed",
+                               "group_size": GROUP, "rows": [], "chosen": {}, "bf16": {}}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth_GBps()
+    sec["copy_bandwidth_GBps"] = res["copy_bandwidth_GBps"] = bw
     log(f"copy bandwidth {bw:.0f} GB/s")
-    rows = []
-    for shape in shapes:
-        for name, N, K, has_bias in layer_shapes(shape):
-            w, b = make_layer(N, K, has_bias)
-            mods = {"bf16": None}
-            for method in ("int8", "int4"):
-                mods[method] = QuantLinear(*packed(w, method), b, K, N, method, GROUP if method == "int4" else None)
-            warm_gpu(1.0)
-            for T in Ts:
-                x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-                for fmt, mod in mods.items():
-                    fn = (lambda: F.linear(x, w, b)) if mod is None else (lambda m=mod: m(x))
-                    nbytes = 2 * N * K if mod is None else weight_bytes(mod) - (0 if b is None else 2 * N)
-                    t1, t2, disagree = bench_twice(fn)
-                    ms = min(t1, t2)
-                    rows.append({"shape": shape, "layer": name, "N": N, "K": K, "T": T, "format": fmt,
-                                 "ms": [t1, t2], "disagree": disagree, "weight_bytes": nbytes,
-                                 "GBps": nbytes / (ms / 1e3) / 1e9, "of_copy_bw": nbytes / (ms / 1e3) / 1e9 / bw,
-                                 "path": None if mod is None else ("gemv" if T <= 32 else "gemm")})
-                line = {r["format"]: f"{r['ms'][0] * 1e3:.1f}us {r['GBps']:.0f}GB/s" for r in rows[-3:]}
-                log("layer", shape, name, f"T={T}", line)
-            del mods, w, b; torch.cuda.empty_cache()
-    res["microbench"] = {"timer": "triton.testing.do_bench median, L2 flushed, twice", "group_size": GROUP, "rows": rows}
+    layers = {}
+    for name, N, K, _ in layer_shapes("7B"):
+        w, _b = make_layer(N, K, False)
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ms = bench(lambda: F.linear(x, w))
+        sec["bf16"][name] = {"ms": ms, "GBps": gbps(2 * N * K, ms)}
+        layers[name] = (N, K, x, {m: packed(w, m) for m in METHODS})
+        del w
+    log("bf16 T=1", {k: f"{v['ms'] * 1e3:.1f}us {v['GBps']:.0f}GB/s" for k, v in sec["bf16"].items()})
+    best = {}                                                  # (method, layer) -> (ms, config)
+    cands = {m: candidates(m) for m in METHODS}
+    t_start = time.perf_counter()
+    for i in range(max(len(c) for c in cands.values())):
+        for method in METHODS:
+            if i >= len(cands[method]) or time.perf_counter() - t_start > SWEEP_S: continue
+            cfg = cands[method][i]
+            for name, (N, K, x, p) in layers.items():
+                try:
+                    full = {k: v for k, v in gemv_config(1, N, K, method, GROUP, sms, cfg).items() if k != "SUB_K"}
+                    ms = bench(lambda: quant_gemv(x, *p[method], None, method, GROUP, config=cfg))
+                    row = {"method": method, "layer": name, **full, "ms": ms,
+                           "GBps": gbps(fmt_bytes(p[method]), ms), "rule": i == 0}
+                    row["of_copy_bw"], row["vs_bf16"] = row["GBps"] / bw, sec["bf16"][name]["ms"] / ms
+                except Exception as e:
+                    row = {"method": method, "layer": name, **cfg, "error": repr(e)[:300]}
+                sec["rows"].append(row)
+                if "ms" in row and ((method, name) not in best or row["ms"] < best[(method, name)][0]):
+                    best[(method, name)] = (row["ms"], {k: full[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps",
+                                                                             "num_stages")})
+            log("sweep", method, cfg or "rule", {r["layer"]: f"{r['ms'] * 1e3:.1f}us {r['GBps']:.0f}GB/s"
+                                       for r in sec["rows"][-4:] if "ms" in r})
+    sec["configs_tried"] = {m: sum(1 for r in sec["rows"] if r["method"] == m) // 4 for m in METHODS}
+    for (method, name), (ms, cfg) in best.items():          # split auto vs 1, for the winner
+        N, K, x, p = layers[name]
+        if gemv_config(1, N, K, method, GROUP, sms, cfg)["SPLIT_K"] > 1 and not over():
+            c1 = {**cfg, "SPLIT_K": 1}
+            ms1 = bench(lambda: quant_gemv(x, *p[method], None, method, GROUP, config=c1))
+            sec["rows"].append({"method": method, "layer": name, **c1, "ms": ms1,
+                                "GBps": gbps(fmt_bytes(p[method]), ms1), "rule": False})
+            if ms1 < ms: best[(method, name)] = (ms1, c1)
+    for (method, name), (ms, cfg) in best.items():
+        N, K, x, p = layers[name]
+        rule_ms = next((r["ms"] for r in sec["rows"] if r["method"] == method and r["layer"] == name and r.get("rule")
+                        and "ms" in r), float("nan"))
+        GEMV_OVERRIDES[(method, N, K)] = dict(cfg)
+        sec["chosen"][f"{method} {name}"] = {"N": N, "K": K, "config": cfg, "ms": ms, "rule_ms": rule_ms,
+                                             "GBps": gbps(fmt_bytes(p[method]), ms), "vs_bf16": sec["bf16"][name]["ms"] / ms,
+                                             "of_copy_bw": gbps(fmt_bytes(p[method]), ms) / bw}
+        log("chosen", method, name, cfg, f"{ms * 1e3:.1f}us (rule {rule_ms * 1e3:.1f}us), "
+            f"{sec['chosen'][f'{method} {name}']['vs_bf16']:.2f}x bf16")
+    del layers; cleanup()
 
 
-# -- 3. engine decode step -----------------------------------------------------------------------------------------
+# -- c. GEMM at T = 512 --------------------------------------------------------------------------------------------
+
+def gemm512(res):
+    rows = res["gemm_512"] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, N, K, _ in layer_shapes("7B"):
+        if name not in ("gate_up_proj", "down_proj"): continue
+        w, _b = make_layer(N, K, False)
+        x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
+        ms = bench(lambda: F.linear(x, w))
+        rows.append({"layer": name, "N": N, "K": K, "format": "bf16", "ms": ms, "TFLOPs": 2 * 512 * N * K / ms / 1e9})
+        for method in METHODS:
+            p = packed(w, method)
+            ms = bench(lambda: quant_gemm(x, *p, None, method, GROUP))
+            rows.append({"layer": name, "N": N, "K": K, "format": method, "ms": ms,
+                         "TFLOPs": 2 * 512 * N * K / ms / 1e9, "config": gemm_config(512, N, K, method, GROUP, sms)})
+            del p
+        del w, x; cleanup()
+        log("gemm T=512", name, {r["format"]: f"{r['ms'] * 1e3:.0f}us" for r in rows[-3:]})
+
+
+# -- d. engine decode step -----------------------------------------------------------------------------------------
 
 def fast_random_checkpoint(shape):
     "A config-only folder; the loader is pointed at random tensors made on the GPU (a 7B safetensors file is 15 GB)."
@@ -186,93 +277,112 @@ def steady_decode(llm, batch, prompt_len=128, seed=0):
     while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
 
 
-def free(llm):
+def release(llm):
+    "Abort the engine's requests and close it (the caller drops its reference, then cleanup())."
+    if llm is None: return
     for i in list(llm._requests): llm.abort_request(i)
-    del llm; gc.collect(); torch.cuda.empty_cache()
+    llm.close()
 
 
-def engine_decode(res, shape, model_dir, batches=(1, 8, 32), num_kv_blocks=2048, repeats=20):
+def engine_decode(res, shape, model_dir, batches, num_kv_blocks):
     from nanoserve.engine import LLM
+    rows = res.setdefault("decode", [])
     for q in (None, "int8", "int4"):
-        if time.perf_counter() - T0 > BUDGET_S:
+        if over():
             res.setdefault("skipped", []).append(f"decode {shape} {q}"); continue
         key = f"{shape} {q or 'bf16'}"
+        cleanup()
+        row = {"shape": shape, "quantization": q, "group_size": GROUP if q == "int4" else None,
+               "allocated_before_GiB": torch.cuda.memory_allocated() / 2**30}
+        llm = None
         try:
             t0 = time.perf_counter()
             kw = {} if q is None else {"quantization": q, "quant_group_size": GROUP}
             llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=num_kv_blocks, max_num_seqs=max(batches),
                       max_num_batched_tokens=2048, **kw)
-            row = {"shape": shape, "quantization": q, "group_size": GROUP if q == "int4" else None,
-                   "weight_bytes": weight_bytes(llm.model), "num_kv_blocks": llm.num_kv_blocks,
-                   "quant_report": repr(getattr(llm, "quant_report", None)), "init_s": time.perf_counter() - t0,
-                   "batches": []}
+            row |= {"weight_bytes": weight_bytes(llm.model), "num_kv_blocks": llm.num_kv_blocks,
+                    "init_s": time.perf_counter() - t0, "batches": []}
+            warm_gpu(1.0, llm.device)
             for b in batches:
                 steady_decode(llm, b)
-                warm_gpu(1.0, llm.device)
-                t = time_twice(llm.step, warmup_s=0.3, repeats=repeats)
+                t = time_twice(llm.step, warmup_s=0.2, repeats=10)
                 row["batches"].append({"batch": b, "ms_per_step": [t.first_ms, t.second_ms], "median_ms": t.median_ms,
                                        "disagree": t.disagree, "tokens_per_s": b / (t.median_ms / 1e3)})
                 log("decode", key, f"batch {b}: {t.median_ms:.3f} ms/step", "DISAGREE" if t.disagree else "")
-            free(llm)
         except Exception as e:
-            traceback.print_exc(); row = {"shape": shape, "quantization": q, "error": repr(e)}
-            gc.collect(); torch.cuda.empty_cache()
-        res.setdefault("decode", []).append(row)
-    base = {r["shape"]: r for r in res.get("decode", []) if r.get("quantization") is None and "batches" in r}
-    for r in res.get("decode", []):
-        if "batches" in r and r["shape"] in base:
-            for rb, bb in zip(r["batches"], base[r["shape"]]["batches"]):
-                rb["speedup_vs_bf16"] = bb["median_ms"] / rb["median_ms"]
+            traceback.print_exc(); row["error"] = repr(e)[:500]
+        finally:
+            release(llm)
+            llm = None
+            cleanup()
+        rows.append(row)
+    base = {r["shape"]: r for r in rows if r.get("quantization") is None and r.get("batches")}
+    for r in rows:
+        if r.get("batches") and r["shape"] in base:
+            by_b = {bb["batch"]: bb for bb in base[r["shape"]]["batches"]}
+            for rb in r["batches"]:
+                if rb["batch"] in by_b: rb["speedup_vs_bf16"] = by_b[rb["batch"]]["median_ms"] / rb["median_ms"]
 
+
+# -- e. KV sizing --------------------------------------------------------------------------------------------------
 
 def kv_sizing(res, shape, model_dir):
-    "KV blocks the engine sizes by itself (eager, to skip graph capture) for each quantization."
+    "KV blocks the engine sizes by itself (eager, no graph capture) for each quantization; one engine alive at a time."
     from nanoserve.engine import LLM
+    rows = res.setdefault("kv_sizing", [])
     for q in (None, "int8", "int4"):
-        if time.perf_counter() - T0 > BUDGET_S:
+        if over(BUDGET_S + 10):
             res.setdefault("skipped", []).append(f"kv {shape} {q}"); continue
+        cleanup()
+        row = {"shape": shape, "quantization": q, "allocated_before_GiB": torch.cuda.memory_allocated() / 2**30}
+        llm = None
         try:
             kw = {} if q is None else {"quantization": q, "quant_group_size": GROUP}
             llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=32, enforce_eager=True, gpu_memory_utilization=0.9, **kw)
-            row = {"shape": shape, "quantization": q, "weight_bytes": weight_bytes(llm.model),
-                   "num_kv_blocks": llm.num_kv_blocks, "block_size": llm.block_size}
-            free(llm)
+            row |= {"weight_bytes": weight_bytes(llm.model), "num_kv_blocks": llm.num_kv_blocks,
+                    "block_size": llm.block_size}
         except Exception as e:
-            traceback.print_exc(); row = {"shape": shape, "quantization": q, "error": repr(e)}
-            gc.collect(); torch.cuda.empty_cache()
+            traceback.print_exc(); row["error"] = repr(e)[:500]
+        finally:
+            release(llm)
+            llm = None
+            cleanup()
         log("kv sizing", row)
-        res.setdefault("kv_sizing", []).append(row)
+        rows.append(row)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="correctness,microbench,decode7b,decode05,kv")
+    ap.add_argument("--parts", default="correctness,sweep,gemm512,decode7b,decode05,kv")
     args = ap.parse_args()
     res = {"meta": run_meta(), "command": "PYTHONPATH=. python kernels/quant_h200.py --out $OUT", "dtype": "bfloat16",
-           "group_size": GROUP}
+           "group_size": GROUP, "gemv_max_t": Q.GEMV_MAX_T, "budget_s": BUDGET_S}
     out = Path(args.out) / "quant_h200.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     dirs = {}
     def model_dir(shape):
         if shape not in dirs: dirs[shape] = fast_random_checkpoint(shape)
         return dirs[shape]
-    parts = {"correctness": lambda: correctness(res), "microbench": lambda: microbench(res),
-             "decode05": lambda: engine_decode(res, "0.5B", model_dir("0.5B")),
-             "decode7b": lambda: engine_decode(res, "7B", model_dir("7B"), num_kv_blocks=1024, repeats=15),
-             "kv": lambda: (kv_sizing(res, "0.5B", model_dir("0.5B")), kv_sizing(res, "7B", model_dir("7B")))}
+    parts = {"correctness": lambda: correctness(res), "sweep": lambda: sweep(res), "gemm512": lambda: gemm512(res),
+             "decode7b": lambda: engine_decode(res, "7B", model_dir("7B"), (1, 8, 32), num_kv_blocks=1024),
+             "decode05": lambda: engine_decode(res, "0.5B", model_dir("0.5B"), (1, 8), num_kv_blocks=1024),
+             "kv": lambda: kv_sizing(res, "0.5B", model_dir("0.5B"))}
     for name in args.parts.split(","):
         t0 = time.perf_counter()
-        if t0 - T0 > BUDGET_S:
+        if over(BUDGET_S + (10 if name == "kv" else 0)):
             res.setdefault("skipped", []).append(name); log("skipped", name); continue
+        log(f"part {name} ...")
         try: parts[name]()
         except Exception as e:
-            traceback.print_exc(); res[f"{name}_error"] = repr(e)
+            traceback.print_exc(); res[f"{name}_error"] = repr(e)[:500]
+        cleanup()
         res.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
-        log(f"part {name}: {time.perf_counter() - t0:.0f} s")
-        out.write_text(json.dumps(res, indent=1))
-    res["total_seconds"] = time.perf_counter() - T0
-    out.write_text(json.dumps(res, indent=1))
-    log("wrote", out)
+        res["gemv_overrides"] = {f"{m} {n}x{k}": c for (m, n, k), c in GEMV_OVERRIDES.items()}
+        res["total_seconds"] = time.perf_counter() - T0
+        out.write_text(json.dumps(res, indent=1, default=str))
+        log(f"part {name}: {time.perf_counter() - t0:.0f} s, wrote {out}")
+    log("done")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM
-from nanoserve.quant import (METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear, QuantReport, choose_split_k,
-                             dequantize_int4, dequantize_int8, kernels_support, pack_int4, quant_gemm, quant_gemv,
+from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
+                             QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
+                             kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
                              quantized_linear_bytes, unpack_int4, weight_bytes)
 
@@ -82,49 +83,96 @@ def _case(method, K, G, dtype, bias, seed):
     return packed, b, g
 
 
+SPLIT_CFG = {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 3}         # several K tiles and splits on small shapes
+
+
+def _check(out, ref, dtype, T, name):
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert out.dtype == dtype and out.shape == (T, 200), name
+    rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < tol, (name, T, rel)
+
+
 @interp
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("K,G", [(256, 64), (384, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernels_match_reference(method, K, G, dtype):
+def test_gemv_matches_reference(method, K, G, dtype):
+    "The FMA GEMV path at 1-4 rows: its own rules, forced K tiles + splits, one split; quant_matmul dispatches here."
     packed, b, g = _case(method, K, G, dtype, True, K + G)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    for T in (1, 3, 17, 40):
+    for T in (1, 2, 3, 4):
         x = torch.randn(T, K, generator=g).to(dtype)
-        for bias in (b, None):
-            ref = quant_matmul_ref(x.float(), *packed, bias, method, G)
-            paths = {"gemm": quant_gemm(x, *packed, bias, method, G), "auto": quant_matmul(x, *packed, bias, method, G)}
-            if T <= 17:
-                paths["gemv"] = quant_gemv(x, *packed, bias, method, G)
-                paths["gemv-1"] = quant_gemv(x, *packed, bias, method, G, split_k=1)
-            for name, out in paths.items():
-                assert out.dtype == dtype and out.shape == (T, 200)
-                rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                assert rel < tol, (name, T, bias is not None, rel)
+        bias = b if T % 2 else None                           # with a bias at 1 and 3 rows, without at 2 and 4
+        ref = quant_matmul_ref(x.float(), *packed, bias, method, G)
+        for name, kw in (("gemv", {}), ("gemv-split", {"config": SPLIT_CFG}), ("gemv-1", {"split_k": 1})):
+            _check(quant_gemv(x, *packed, bias, method, G, **kw), ref, dtype, T, name)
+        _check(quant_matmul(x, *packed, bias, method, G), ref, dtype, T, "auto")
+
+
+@interp
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("K,G", [(256, 64), (384, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_matches_reference(method, K, G, dtype):
+    "The tensor-core path (INT4: nibbles interleaved in registers, one dot) at 5-40 rows, split-K by rule and off."
+    packed, b, g = _case(method, K, G, dtype, True, K + G + 1)
+    for T in (1, 5, 17, 40):
+        x = torch.randn(T, K, generator=g).to(dtype)
+        bias = b if T in (5, 40) else None
+        ref = quant_matmul_ref(x.float(), *packed, bias, method, G)
+        _check(quant_gemm(x, *packed, bias, method, G), ref, dtype, T, "gemm")
+        _check(quant_gemm(x, *packed, bias, method, G, split_k=1), ref, dtype, T, "gemm-1")
+        _check(quant_gemm(x, *packed, bias, method, G, config={"BLOCK_M": 16, "BLOCK_N": 32}), ref, dtype, T,
+               "gemm-small-tiles")
+        if T > GEMV_MAX_T: _check(quant_matmul(x, *packed, bias, method, G), ref, dtype, T, "auto")
 
 
 @interp
 def test_gemv_split_edge_cases():
+    torch.manual_seed(0)
     packed = quantize_int4(torch.randn(64, 256), 64)
     x = torch.randn(2, 256)
     ref = quant_matmul_ref(x, *packed, None, "int4", 64)
     for split in (1, 2, 3, 4, 99):                       # 4 K tiles: 3 splits of (2, 2, 0) become 2; 99 becomes 4
-        torch.testing.assert_close(quant_gemv(x, *packed, None, "int4", 64, split_k=split), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(quant_gemv(x, *packed, None, "int4", 64, split_k=split, config={"BLOCK_K": 64}),
+                                   ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(quant_gemm(x, *packed, None, "int4", 64, split_k=split, config={"BLOCK_K": 64}),
+                                   ref, atol=1e-5, rtol=1e-5)
     assert quant_gemv(torch.randn(0, 256), *packed, None, "int4", 64).shape == (0, 64)
     assert quant_gemm(torch.randn(0, 256), *packed, None, "int4", 64).shape == (0, 64)
     xs = torch.randn(4, 512)[:, ::2]                                            # non-contiguous rows: copied
     torch.testing.assert_close(quant_gemv(xs, *packed, None, "int4", 64), quant_matmul_ref(xs, *packed, None, "int4", 64),
                                atol=1e-5, rtol=1e-5)
+    q8 = quantize_int8(torch.randn(64, 256) * torch.logspace(-3, 1, 64)[:, None])   # every int8 value incl. -127
+    ref8 = quant_matmul_ref(x, *q8, None, None, "int8")
+    assert ((quant_gemv(x, *q8, None, None, "int8") - ref8).abs() / ref8.abs().amax(0)).max() < 1e-5   # per channel
 
 
 def test_split_rule_depends_on_shapes_only():
-    assert choose_split_k(1, 3584, 18944, 4, 64, 128, 132) == 10       # 7B down_proj at batch 1
+    assert choose_split_k(1, 3584, 18944, 4, 64, 128, 132) == 10       # 7B down_proj, 64-channel tiles of 128 inputs
     assert choose_split_k(1, 37888, 3584, 4, 64, 128, 132) == 1        # 7B gate_up_proj: enough output tiles
     for M in (1, 8, 32):
         for N, K in ((896, 4864), (1152, 896), (4608, 3584)):
             s = choose_split_k(M, N, K, 4, 64, 128, 132)
             tiles = -(-K // 128)
             assert 1 <= s <= min(16, tiles) and -(-tiles // -(-tiles // s)) == s    # no empty splits
+
+
+def test_configs_and_overrides():
+    down = gemv_config(1, 3584, 18944, "int4", 128, 132)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["SUB_K"], down["SPLIT_K"]) == (32, 512, 128, 5)
+    assert gemv_config(1, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
+    assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32             # a sub-tile never crosses a group
+    assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128})["SUB_K"] == 128
+    assert gemm_config(40, 3584, 3584, "int4", 64, 132)["BLOCK_K"] == 64
+    try:
+        GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
+        c = gemv_config(1, 3584, 18944, "int8", None, 132)
+        assert (c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) == (64, 8, 1)
+        assert gemv_config(1, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 32    # other method / shape: the rules
+        assert gemv_config(1, 3584, 18944, "int8", None, 132, {"BLOCK_N": 16})["BLOCK_N"] == 16   # config wins
+    finally:
+        GEMV_OVERRIDES.clear()
 
 
 def test_kernels_support():
