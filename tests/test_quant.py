@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM
-from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
+from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, TUNED_GEMV, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
                              QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
@@ -159,20 +159,24 @@ def test_split_rule_depends_on_shapes_only():
 
 
 def test_configs_and_overrides():
-    down = gemv_config(1, 3584, 18944, "int4", 128, 132)
-    assert (down["BLOCK_N"], down["BLOCK_K"], down["SUB_K"], down["SPLIT_K"]) == (32, 512, 128, 5)
-    assert gemv_config(1, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
-    assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32             # a sub-tile never crosses a group
-    assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128})["SUB_K"] == 128
-    assert gemm_config(40, 3584, 3584, "int4", 64, 132)["BLOCK_K"] == 64
+    saved = dict(GEMV_OVERRIDES)
+    assert saved == TUNED_GEMV                                                   # the package ships the H200 table
+    assert gemv_config(1, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 64         # ... and uses it
     try:
+        GEMV_OVERRIDES.clear()                                                   # the rules alone
+        down = gemv_config(1, 3584, 18944, "int4", 128, 132)
+        assert (down["BLOCK_N"], down["BLOCK_K"], down["SUB_K"], down["SPLIT_K"]) == (32, 512, 128, 5)
+        assert gemv_config(1, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
+        assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32         # a sub-tile never crosses a group
+        assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128})["SUB_K"] == 128
+        assert gemm_config(40, 3584, 3584, "int4", 64, 132)["BLOCK_K"] == 64
         GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
         c = gemv_config(1, 3584, 18944, "int8", None, 132)
         assert (c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) == (64, 8, 1)
         assert gemv_config(1, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 32    # other method / shape: the rules
         assert gemv_config(1, 3584, 18944, "int8", None, 132, {"BLOCK_N": 16})["BLOCK_N"] == 16   # config wins
     finally:
-        GEMV_OVERRIDES.clear()
+        GEMV_OVERRIDES.clear(); GEMV_OVERRIDES.update(saved)
 
 
 def test_kernels_support():
