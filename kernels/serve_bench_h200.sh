@@ -22,7 +22,7 @@ if [ "${OFFLINE:-0}" = 1 ]; then     # ran past 260 s with hf-cb on 2026-11-29: 
 timeout 260 python -m nanoserve.bench --model $MODEL $COMMON $ENGINE --engines continuous,static:32,hf-cb \
   --out $OUT/bench_lognormal_offline.json 2>&1 | filter
 fi
-timeout 170 python -m nanoserve.bench --model $MODEL $COMMON $ENGINE --rate $RATE --engines ${ENGINES:-continuous,static:32} \
+timeout 170 python -m nanoserve.bench --model $MODEL $COMMON $ENGINE --rate $RATE --engines ${ENGINES:-continuous,static:32} --profile-steps ${PROFILE_STEPS:-0} \
   --out $OUT/bench_lognormal_poisson.json 2>&1 | filter
 python -m nanoserve.server --model $MODEL --port 8765 --served-model-name qwen-0.5b-random $ENGINE --no-access-log \
   --log-level warning > $OUT/serve_h200.log 2>&1 &

@@ -313,6 +313,7 @@ def test_report_and_plots(offline, online, tmp_path):
     (["--workload", "/nonexistent/w.jsonl"], "workload file not found"),
     (["--engines", "continuous,foo"], "unknown engine 'foo'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
     (["--prompt-max", "2"], "clip ranges"),
 ])
 def test_cli_errors(model_dir, capsys, monkeypatch, argv, match):
