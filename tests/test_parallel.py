@@ -94,3 +94,15 @@ def test_step_inputs_pickle_round_trip(single):
     assert isinstance(y, StepInputs) and y.ints == x.ints and y.floats == x.floats and y.sections == x.sections
     single.scheduler.cancel(step)
     for rid in list(single._requests): single.abort_request(rid)
+
+
+def test_cli_generate_two_ranks(capsys):
+    "`nanoserve generate --tensor-parallel-size 2` writes the same text as one process, and exits 0."
+    from nanoserve.cli import main
+    args = ["generate", "def fibonacci(n):", "--max-tokens", "12", "--dtype", "float32"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one
+    assert main(args + ["--tensor-parallel-size", "3"]) == 2                    # 4 heads: a clear error
+    assert "does not divide num_attention_heads" in capsys.readouterr().err

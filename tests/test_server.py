@@ -488,3 +488,15 @@ def test_only_the_server_module_imports_the_web_stack():
         tree = ast.parse(path.read_text())
         assert not {m.split(".")[0] for m in imports(ast.walk(tree))} & web, path.name
         assert not {"nanoserve.server", "server"} & imports(tree.body), path.name
+
+
+def test_stream_chunks_carry_tokens_without_text():
+    "A step whose tokens decode to no text yet still makes a chunk (clients time tokens by chunks); finish chunks carry none."
+    from nanoserve.server import ResponseShaper
+    from nanoserve.endpoint import chunk_info
+    for kind in ("completion", "chat"):
+        shaper = ResponseShaper(kind, "tiny", include_usage=False)
+        assert chunk_info(shaper.chunk(""))["token"] is True
+        assert chunk_info(shaper.chunk("ab"))["text"] == "ab"
+        assert chunk_info(shaper.chunk(finish_reason="stop"))["token"] is False
+    assert chunk_info(ResponseShaper("chat", "tiny", include_usage=False).chunk(first=True))["token"] is False
