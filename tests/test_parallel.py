@@ -20,11 +20,13 @@ def single():
 def test_two_ranks_same_tokens_as_one(single):
     greedy = SamplingParams(max_tokens=20, temperature=0)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, seed=3)
-    # max_num_seqs 4 < 6 prompts: steps mix prefills and decodes; 40 KV blocks of 16 force preemption
-    llm = LLM(default_model(), dtype="float32", tensor_parallel_size=2, max_num_seqs=4, num_kv_blocks=12)
+    # max_num_seqs 4 < 6 prompts: steps mix prefills and decodes; 5 KV blocks of 16 force preemption
+    llm = LLM(default_model(), dtype="float32", tensor_parallel_size=2, max_num_seqs=4, num_kv_blocks=5)
     try:
-        ref = LLM(default_model(), dtype="float32", max_num_seqs=4, num_kv_blocks=12)
-        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == [o.token_ids for o in ref.generate(PROMPTS, greedy)]
+        ref = LLM(default_model(), dtype="float32", max_num_seqs=4, num_kv_blocks=5)
+        got = llm.generate(PROMPTS, greedy)
+        assert sum(o.num_preemptions for o in got) > 0
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(PROMPTS, greedy)]
         assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == [o.token_ids for o in ref.generate(PROMPTS, sampled)]
         assert llm.runner.kv_cache.shape[4] == single.runner.kv_cache.shape[4] // 2     # half the KV heads per rank
         assert "tensor parallel 2" in repr(llm)
