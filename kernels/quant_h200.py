@@ -23,13 +23,15 @@ d. engine decode step: LLM(..., quantization=q) for q in (None, "int8", "int4"),
 e. KV sizing: 0.5B shape, gpu_memory_utilization 0.9, enforce_eager: weight bytes and num_kv_blocks per q.
 Each part is guarded: an error is recorded in the JSON and the next part runs.
 """
-import argparse, gc, json, os, random, shutil, sys, tempfile, time, traceback
+import argparse, gc, json, os, sys, time, traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.bench import SHAPES, run_meta
+
+from graphs_h200 import fast_random_checkpoint, steady_decode   # kernels/ is on sys.path when run as a script
 from nanoserve.measure import time_twice, warm_gpu
 import nanoserve.quant as Q
 from nanoserve.quant import (GEMV_OVERRIDES, gemm_config, gemv_config, quant_gemm, quant_gemv, quant_matmul,
@@ -243,39 +245,6 @@ def gemm512(res):
 
 
 # -- d. engine decode step -----------------------------------------------------------------------------------------
-
-def fast_random_checkpoint(shape):
-    "A config-only folder; the loader is pointed at random tensors made on the GPU (a 7B safetensors file is 15 GB)."
-    import nanoserve.model as M
-    from nanoserve.tokenizer import ensure_default_model, qwen2_weight_shapes
-    d = Path(tempfile.mkdtemp())
-    cfg = {"model_type": "qwen2", **SHAPES[shape], "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-           "dtype": "bfloat16", "rope_theta": 1e6, "use_sliding_window": False}
-    (d / "config.json").write_text(json.dumps(cfg))
-    for f in ensure_default_model().iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json": shutil.copy(f, d / f.name)
-    real = M.load_state_dict
-    def fake(model_dir, device="cpu"):
-        if Path(model_dir) != d: return real(model_dir, device)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        return {n: torch.ones(s, device="cuda", dtype=torch.bfloat16) if n.endswith("norm.weight") else
-                torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-                for n, s in qwen2_weight_shapes(cfg).items()}
-    M.load_state_dict = fake
-    return d
-
-
-def steady_decode(llm, batch, prompt_len=128, seed=0):
-    "Abort everything, add `batch` requests and run their prefill: decode-only steps from here."
-    from nanoserve.engine import SamplingParams
-    for i in list(llm._requests): llm.abort_request(i)
-    g = random.Random(seed)
-    for _ in range(batch):
-        llm.add_request([g.randrange(llm.config.vocab_size) for _ in range(prompt_len)],
-                        SamplingParams(max_tokens=min(4000, llm.max_model_len - prompt_len), temperature=0,
-                                       ignore_eos=True), stream=False)
-    while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
-
 
 def release(llm):
     "Abort the engine's requests and close it (the caller drops its reference, then cleanup())."

@@ -23,6 +23,7 @@ import torch
 
 from nanoserve.bench import SHAPES, WorkloadSpec, make_workload, run_meta
 from nanoserve.engine import LLM, SamplingParams
+from graphs_h200 import steady_decode     # kernels/ is on sys.path when run as a script
 from nanoserve.measure import busy_share, count_device_kernels, event_record, is_device_kernel, profile_run, time_twice, warm_gpu
 
 
@@ -45,16 +46,6 @@ def gpu_random_checkpoint(shape: str, root: Path) -> Path:
     for f in ensure_default_model().iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json": shutil.copy(f, d / f.name)
     return d
-
-
-def steady_decode(llm, batch, prompt_len=128, seed=0):
-    "Abort everything, add `batch` requests and run their prefill: decode-only steps from here."
-    for i in list(llm._requests): llm.abort_request(i)
-    g = random.Random(seed)
-    for _ in range(batch):
-        llm.add_request([g.randrange(llm.config.vocab_size) for _ in range(prompt_len)],
-                        SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True), stream=False)
-    while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
 
 
 def nccl_share(run) -> tuple[float, int]:
