@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanoserve.engine import LLM, SamplingParams
-from nanoserve.graphs import DecodeGraphs, graph_batch_sizes, pick_bucket
+from nanoserve.graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, graph_token_sizes, pick_bucket
 from nanoserve.tokenizer import ensure_default_model
 
 TINY = ensure_default_model()      # the random tiny model: 2 layers of 64, fast through the Triton interpreter
@@ -25,15 +25,18 @@ def test_bucket_sizes_reject_bad_input(bad):
         graph_batch_sizes(bad)
 
 
-def _tokens(static_buffers: bool, dtype="float32", temperature=0.0):
-    llm = LLM(TINY, dtype=dtype, attention_backend="triton", enforce_eager=True, num_kv_blocks=8, max_num_seqs=5,
-              max_num_batched_tokens=48)
-    if static_buffers: llm.runner.enable_graphs(graph_batch_sizes(5), llm.max_model_len, capture=False)
+def _tokens(static_buffers: bool, dtype="float32", temperature=0.0, mixed=False, num_kv_blocks=8):
+    llm = LLM(TINY, dtype=dtype, attention_backend="triton", enforce_eager=True, num_kv_blocks=num_kv_blocks,
+              max_num_seqs=5, max_num_batched_tokens=48)
+    if static_buffers:
+        llm.runner.enable_graphs(graph_batch_sizes(5), llm.max_model_len, capture=False,
+                                 token_sizes=graph_token_sizes(48) if mixed else None)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, llm.config.vocab_size, (int(n),), generator=g).tolist() for n in (3, 20, 9, 33, 14, 5, 27)]
     params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i, ignore_eos=True)
               for i, m in enumerate((11, 4, 23, 9, 16, 30, 2))]
     outs = llm.generate(prompts, params)
+    if mixed: return [o.token_ids for o in outs], llm.runner.mixed_graphs.num_replays
     return [o.token_ids for o in outs], llm.runner.graphs.num_replays if static_buffers else 0
 
 
@@ -43,6 +46,41 @@ def test_static_buffer_path_gives_the_eager_tokens(temperature):
     padded, replays = _tokens(True, temperature=temperature)
     assert padded == eager
     assert replays > 10
+
+
+def test_mixed_step_buffers_give_the_eager_tokens():
+    "Steps with prefill chunks through the token buckets (tiled prefill kernel) give the eager tokens."
+    eager, _ = _tokens(False)
+    mixed, replays = _tokens(True, mixed=True)
+    assert mixed == eager
+    assert replays >= 3
+
+
+def test_block_table_width_never_exceeds_the_static_buffer():
+    "A 5-block table rounds up to 8 columns; the buffers are 5 wide (5 KV blocks in all), so the copy is clamped."
+    outs = []
+    for static_buffers in (False, True):
+        llm = LLM(TINY, dtype="float32", attention_backend="triton", enforce_eager=True, num_kv_blocks=5,
+                  max_num_seqs=2, max_num_batched_tokens=48)
+        if static_buffers:
+            llm.runner.enable_graphs(graph_batch_sizes(2), llm.max_model_len, capture=False,
+                                     token_sizes=graph_token_sizes(48))
+        prompt = list(range(3, 73))                                    # 70 tokens + 8 new = 78: 5 blocks of 16
+        outs.append(llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids)
+    assert outs[0] == outs[1] and llm.runner.graphs.num_replays > 0 and llm.runner.graphs.max_blocks == 5
+
+
+def test_mixed_graphs_refuse_bad_input():
+    llm = LLM(TINY, dtype="float32", enforce_eager=True, num_kv_blocks=16, max_num_seqs=2)
+    with pytest.raises(ValueError, match="Triton attention"):
+        MixedGraphs(llm.model, llm.runner.kv_caches, [16], 2, 64, 16, llm.device, capture=False)
+    llm.model.set_attention_backend("triton")
+    with pytest.raises(ValueError, match="increasing"):
+        MixedGraphs(llm.model, llm.runner.kv_caches, [16, 16], 2, 64, 16, llm.device, capture=False)
+    with pytest.raises(ValueError, match="CUDA device"):
+        MixedGraphs(llm.model, llm.runner.kv_caches, [16], 2, 64, 16, llm.device)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        graph_token_sizes(0)
 
 
 def test_graphs_refuse_a_cpu_capture_and_bad_sizes():
