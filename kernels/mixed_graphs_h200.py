@@ -70,10 +70,10 @@ def mixed_step_logits(model_dir, dtype):
     return out
 
 
-def greedy_with_arrivals(model_dir, dtype, mixed: bool):
+def greedy_with_arrivals(model_dir, dtype, mixed: bool, **kw):
     "Twelve prompts through 6 slots: later prompts are admitted while others decode (mixed steps)."
     llm = LLM(model_dir, dtype=dtype, num_kv_blocks=1024, max_num_seqs=6, max_num_batched_tokens=512,
-              mixed_step_graphs=mixed)
+              mixed_step_graphs=mixed, **kw)
     g = random.Random(3)
     prompts = [[g.randrange(llm.config.vocab_size) for _ in range(n)] for n in (7, 33, 64, 100, 130, 257, 9, 400, 50, 3, 77, 700)]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 8, 25, 48, 12, 30, 44, 9, 20, 36, 16, 24)]
@@ -142,13 +142,16 @@ def steps(model_dir, res):
     res["admission_steps"] = rows
 
 
-def offline(model_dir, res, repeats=2):
+OFFLINE_CONFIGS = [("continuous", "continuous", {}),
+                   ("continuous, mixed steps eager", "continuous", {"mixed_step_graphs": False}),
+                   ("static:32", "static:32", {})]
+OFFLINE_COMMON = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
+
+
+def offline(model_dir, res, repeats=2, configs=OFFLINE_CONFIGS, common=OFFLINE_COMMON):
     spec = WorkloadSpec(kind="lognormal", num_requests=128, prompt_median=256, output_median=128, prompt_max=1024,
                         output_max=512)
     reqs = make_workload(spec, 151936, 32768)
-    common = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
-    configs = [("continuous", "continuous", {}), ("continuous, mixed steps eager", "continuous", {"mixed_step_graphs": False}),
-               ("static:32", "static:32", {})]
     rows = []
     for name, engine, extra in configs:
         reps = []
@@ -159,7 +162,8 @@ def offline(model_dir, res, repeats=2):
             t0 = time.perf_counter()
             r = _spawn(job, 400)
             s = r["summary"]
-            reps.append({"summary": s, "ledger": r.get("ledger"), "preemptions": r.get("preemptions"),
+            reps.append({"summary": s, "ledger": r.get("ledger"), "ledger_decode": r.get("ledger_decode"),
+                         "preemptions": r.get("preemptions"),
                          "process_s": time.perf_counter() - t0})
             print("offline", name, {k: s[k] for k in ("output_tokens_per_s", "num_output_tokens") if k in s},
                   f"{time.perf_counter() - t0:.0f} s", flush=True)

@@ -20,8 +20,10 @@ def single():
 def test_two_ranks_same_tokens_as_one(single):
     greedy = SamplingParams(max_tokens=20, temperature=0)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, seed=3)
-    # max_num_seqs 4 < 6 prompts: steps mix prefills and decodes; 5 KV blocks of 16 force preemption
-    llm = LLM(default_model(), dtype="float32", tensor_parallel_size=2, max_num_seqs=4, num_kv_blocks=5)
+    # max_num_seqs 4 < 6 prompts: steps mix prefills and decodes; 5 KV blocks of 16 force preemption; rank 0
+    # schedules asynchronously (the default on a GPU), so every rank takes decode tokens from its own last samples
+    llm = LLM(default_model(), dtype="float32", tensor_parallel_size=2, max_num_seqs=4, num_kv_blocks=5,
+              async_scheduling=True)
     try:
         ref = LLM(default_model(), dtype="float32", max_num_seqs=4, num_kv_blocks=5)
         got = llm.generate(PROMPTS, greedy)

@@ -1,0 +1,81 @@
+"""Async scheduling on the H200: the host schedules and packs step N+1 while the GPU runs step N (issue 6's overlap).
+
+Run on the device machine from the repo root:
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/async_h200.py --out $OUT [--parts parity,decode,7b,offline,nanovllm]
+Writes async_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every part; copy it to
+figures/data/.
+
+Random weights of the Qwen2.5 shapes, bf16, CUDA graphs (decode and mixed steps) and fused kernels on; side by
+side in one run with `async_scheduling=False` as the control:
+1. parity: greedy tokens async against sync on a run with arrivals (fp32 must be identical; bf16 reported);
+2. decode: ms per `LLM.step()` in steady decode of the 0.5B shape at batch 1, 8, 64, 256 (warm-up before every row,
+   timed twice, >15% disagreement flagged), device kernels per step and GPU busy share from one profiled window
+   of the same configuration, the step ledger, and the memory floor (copy bandwidth measured in the same run);
+3. 7b: the same at batch 1 and 8 for the 7B shape;
+4. offline: the benchmark chapter's lognormal workload (128 requests, kernels/bench_h200.sh's settings),
+   continuous and static:32, async and sync, each twice, each run in a fresh process;
+5. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), async, twice.
+"""
+import argparse, json, os, sys, time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import graphs_h200 as G                                      # noqa: E402  (steady-decode rows, floors, 7B weights)
+import mixed_graphs_h200 as M                                # noqa: E402  (offline runs, nano-vllm workload)
+from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
+
+G.CONFIGS.update({"sync": dict(fused_kernels=True, async_scheduling=False),
+                  "async": dict(fused_kernels=True, async_scheduling=True)})
+
+
+def parity(model_dir, res):
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        toks = {}
+        for name, flag in (("sync", False), ("async", True)):
+            toks[name], _ = M.greedy_with_arrivals(model_dir, dtype, True, async_scheduling=flag)
+        a, b = toks["sync"], toks["async"]
+        out[dtype] = {"sequences": len(a), "identical": sum(x == y for x, y in zip(a, b)),
+                      "agreeing_prefixes": [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
+                                            for x, y in zip(a, b)], "lengths": [len(x) for x in a]}
+        print("parity", dtype, out[dtype], flush=True)
+    res["greedy_parity"] = out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default="parity,decode,7b,offline,nanovllm")
+    args = ap.parse_args()
+    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/async_h200.py --parts {args.parts}"}
+    out = Path(args.out) / "async_h200.json"
+    d05 = random_checkpoint("0.5B")
+    common = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
+    parts = {
+        "parity": lambda: parity(d05, res),
+        "decode": lambda: G.decode_rows(d05, res, "0.5B", ["sync", "async"], [1, 8, 64, 256], "decode", 30),
+        "7b": lambda: G.decode_rows(G.fast_random_checkpoint("7B"), res, "7B", ["sync", "async"], [1, 8], "decode", 20),
+        "offline": lambda: M.offline(d05, res, configs=[
+            ("continuous, async", "continuous", {"async_scheduling": True}),
+            ("static:32, async", "static:32", {"async_scheduling": True}),
+            ("continuous, sync", "continuous", {"async_scheduling": False}),
+            ("static:32, sync", "static:32", {"async_scheduling": False})], common=common),
+        "nanovllm": lambda: M.nanovllm(d05, res),
+    }
+    for name in args.parts.split(","):
+        t0 = time.perf_counter()
+        try: parts[name]()
+        except Exception as e:
+            import traceback; traceback.print_exc(); res[f"{name}_error"] = repr(e)
+        res.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
+        print(f"part {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        out.write_text(json.dumps(res, indent=1))
+    try: G.floors(res, None)
+    except Exception as e: res["floors_error"] = repr(e)
+    out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
