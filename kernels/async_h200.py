@@ -70,6 +70,29 @@ def step_rate(model_dir, res, shape, batches, num_steps=200):
     res.setdefault("step_rate", []).extend(rows)
 
 
+def kernel_names(model_dir, res, batches=(1, 64), steps=16):
+    "Device kernels of steady decode steps (async, graphs, fused) grouped by name: which ones a step is made of."
+    from collections import Counter
+    from nanoserve.measure import event_record, is_device_kernel, profile_run, warm_gpu
+    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), **G.CONFIGS["async"])
+    out = {}
+    for b in batches:
+        G.steady_decode(llm, b)
+        warm_gpu(1.0, llm.device)
+        for _ in range(20): llm.step()
+        with profile_run(llm.device) as run:
+            for _ in range(steps): llm.step()
+            torch.cuda.synchronize()
+        names = Counter(event_record(e)["name"][:90] for e in run.events if is_device_kernel(e))
+        out[b] = {"kernels_per_step": sum(names.values()) / steps,
+                  "by_name": {k: v / steps for k, v in names.most_common()}}
+        print("kernels", b, out[b]["kernels_per_step"], list(out[b]["by_name"].items())[:14], flush=True)
+    for i in list(llm._requests): llm.abort_request(i)
+    while llm._inflight is not None: llm.step()
+    res["kernel_names"] = out
+    del llm; torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -88,8 +111,12 @@ def main():
             ("static:32, async", "static:32", {"async_scheduling": True}),
             ("continuous, sync", "continuous", {"async_scheduling": False}),
             ("static:32, sync", "static:32", {"async_scheduling": False})], common=common),
+        "offline-async": lambda: M.offline(d05, res, configs=[
+            ("continuous, async", "continuous", {"async_scheduling": True}),
+            ("static:32, async", "static:32", {"async_scheduling": True})], common=common),
         "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
         "rate": lambda: step_rate(d05, res, "0.5B", [1, 8, 64, 256]),
+        "kernels": lambda: kernel_names(d05, res),
         "rate7b": lambda: step_rate(G.fast_random_checkpoint("7B"), res, "7B", [1]),
     }
     for name in args.parts.split(","):
