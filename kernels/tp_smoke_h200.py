@@ -2,9 +2,11 @@
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/tp_smoke_h200.py --out $OUT
 
-Checks greedy tokens of TP=2 (CUDA graphs on) against TP=1 in fp32, times `close()` (NCCL teardown), then
-starts a second TP=2 engine in the same process (which needs the first one's process group gone) and
-generates again. Writes tp_smoke_h200.json.
+Checks greedy tokens of TP=2 (CUDA graphs on, async scheduling on: the GPU defaults) against TP=1 in fp32, with
+2 sequences at a time so that later prompts are admitted next to running decodes (mixed-step graphs and
+device-side token feeds on every rank); times `close()` (NCCL teardown), then starts a second TP=2 engine in
+the same process (which needs the first one's process group gone) and generates again. Writes
+tp_smoke_h200.json.
 """
 import argparse, json, os, sys, time
 from pathlib import Path
@@ -23,14 +25,17 @@ out = Path(args.out) / "tp_smoke_h200.json"
 prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self", "for i in range("]
 sp = SamplingParams(max_tokens=48, temperature=0)
 try:
-    one = [o.token_ids for o in LLM(default_model(), dtype="float32", max_num_seqs=8).generate(prompts, sp)]
+    one = [o.token_ids for o in LLM(default_model(), dtype="float32", max_num_seqs=2,
+                                    async_scheduling=False).generate(prompts, sp)]
     for attempt in (1, 2):
         t0 = time.perf_counter()
-        llm = LLM(default_model(), dtype="float32", tensor_parallel_size=2, max_num_seqs=8)
+        llm = LLM(default_model(), dtype="float32", tensor_parallel_size=2, max_num_seqs=2)
         res[f"start_s_{attempt}"] = time.perf_counter() - t0
         two = [o.token_ids for o in llm.generate(prompts, sp)]
         res[f"identical_{attempt}"] = sum(a == b for a, b in zip(one, two))
         res[f"graph_replays_{attempt}"] = llm.runner.graphs.num_replays if llm.runner.graphs else None
+        res[f"mixed_replays_{attempt}"] = llm.runner.mixed_graphs.num_replays if llm.runner.mixed_graphs else None
+        res[f"async_{attempt}"] = llm.async_scheduling
         t0 = time.perf_counter(); llm.close(); res[f"close_s_{attempt}"] = time.perf_counter() - t0
         print(attempt, {k: v for k, v in res.items() if k.endswith(str(attempt))}, flush=True)
         out.write_text(json.dumps(res, indent=1))
