@@ -129,24 +129,34 @@ def floors(res, shapes):
         row["floor_ms"], row["x_floor"] = fl, row["median_ms"] / fl
 
 
+def nanovllm_requests():
+    "nano-vllm's workload: 256 requests, prompt and output lengths uniform in 100..1024, EOS ignored."
+    reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=256, seed=0), 151936, 32768)
+    return reqs, [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
+
+
+def timed_generate(llm, reqs, sp, repeats, label):
+    "Warm the GPU, then time `generate` on all `reqs` `repeats` times: (tokens generated, seconds per run, outputs)."
+    llm.generate([list(r.prompt_token_ids[:32]) for r in reqs[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
+    times = []
+    for _ in range(repeats):
+        warm_gpu(3.0, llm.device)
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
+        torch.cuda.synchronize(); dt = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs)
+        assert n == sum(r.max_tokens for r in reqs)
+        times.append(dt)
+        print("nanovllm", label, n, f"{dt:.2f} s", f"{n / dt:,.0f} tok/s", flush=True)
+    return n, times, outs
+
+
 def nanovllm_workload(model_dir, res, repeats=2):
-    spec = WorkloadSpec(kind="nanovllm", num_requests=256, seed=0)
-    reqs = make_workload(spec, 151936, 32768)
-    sp = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
+    reqs, sp = nanovllm_requests()
     rows = []
     for cname in ("graphs+fused", "eager"):
         llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384, **CONFIGS[cname])
-        llm.generate([list(r.prompt_token_ids[:32]) for r in reqs[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
-        times = []
-        for rep in range(repeats if cname != "eager" else 1):
-            warm_gpu(3.0, llm.device)
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-            outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
-            torch.cuda.synchronize(); dt = time.perf_counter() - t0
-            n = sum(len(o.token_ids) for o in outs)
-            assert n == sum(r.max_tokens for r in reqs)
-            times.append(dt)
-            print("nanovllm", cname, n, dt, n / dt, flush=True)
+        n, times, outs = timed_generate(llm, reqs, sp, repeats if cname != "eager" else 1, cname)
         rows.append({"config": cname, "output_tokens": n, "seconds": times, "output_tokens_per_s": n / min(times),
                      "disagree": len(times) > 1 and abs(times[0] - times[1]) / min(times) > 0.15,
                      "preemptions": sum(o.num_preemptions for o in outs), "num_kv_blocks": llm.num_kv_blocks})
@@ -154,6 +164,18 @@ def nanovllm_workload(model_dir, res, repeats=2):
     res["nanovllm"] = {"workload": {"num_requests": 256, "prompt_len": "uniform 100..1024", "output_len": "uniform 100..1024",
                                     "ignore_eos": True, "seed": 0, "max_num_seqs": 256, "max_num_batched_tokens": 16384},
                        "numerator": "output tokens actually generated", "rows": rows}
+
+
+def run_parts(parts: dict, names: str, res: dict, out: Path) -> None:
+    "Run the comma-separated `names` of `parts` in order; a failing part is recorded, and `res` is written after each."
+    for name in names.split(","):
+        t0 = time.perf_counter()
+        try: parts[name]()
+        except Exception as e:
+            import traceback; traceback.print_exc(); res[f"{name}_error"] = repr(e)
+        res.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
+        print(f"part {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        out.write_text(json.dumps(res, indent=1))
 
 
 def main():
@@ -170,13 +192,7 @@ def main():
         "7b": lambda: decode_rows(fast_random_checkpoint("7B"), res, "7B", ["eager", "graphs+fused"], [1, 8], "decode", 20),
         "nanovllm": lambda: nanovllm_workload(d05, res),
     }
-    for name in args.parts.split(","):
-        t0 = time.perf_counter()
-        try: parts[name]()
-        except Exception as e:
-            import traceback; traceback.print_exc(); res[f"{name}_error"] = repr(e)
-        print(f"part {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        out.write_text(json.dumps(res, indent=1))
+    run_parts(parts, args.parts, res, out)
     try: floors(res, None)
     except Exception as e: res["floors_error"] = repr(e)
     out.write_text(json.dumps(res, indent=1))

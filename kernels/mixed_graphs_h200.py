@@ -174,21 +174,10 @@ def offline(model_dir, res, repeats=2, configs=OFFLINE_CONFIGS, common=OFFLINE_C
 
 
 def nanovllm(model_dir, res, repeats=2):
-    spec = WorkloadSpec(kind="nanovllm", num_requests=256, seed=0)
-    reqs = make_workload(spec, 151936, 32768)
-    sp = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
+    from graphs_h200 import nanovllm_requests, timed_generate
+    reqs, sp = nanovllm_requests()
     llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384)
-    llm.generate([list(r.prompt_token_ids[:32]) for r in reqs[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
-    times = []
-    for _ in range(repeats):
-        warm_gpu(3.0, llm.device)
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
-        torch.cuda.synchronize(); dt = time.perf_counter() - t0
-        n = sum(len(o.token_ids) for o in outs)
-        assert n == sum(r.max_tokens for r in reqs)
-        times.append(dt)
-        print("nanovllm", n, f"{dt:.2f} s", f"{n / dt:,.0f} tok/s", flush=True)
+    n, times, _ = timed_generate(llm, reqs, sp, repeats, "graphs")
     res["nanovllm"] = {"output_tokens": n, "seconds": times, "output_tokens_per_s": [n / t for t in times],
                        "disagree": abs(times[0] - times[-1]) > DISAGREE * min(times),
                        "mixed_replays": llm.runner.mixed_graphs.num_replays, "decode_replays": llm.runner.graphs.num_replays,
@@ -207,14 +196,8 @@ def main():
     d05 = random_checkpoint("0.5B")
     parts = {"check": lambda: check(d05, res), "steps": lambda: steps(d05, res), "offline": lambda: offline(d05, res),
              "nanovllm": lambda: nanovllm(d05, res)}
-    for name in args.parts.split(","):
-        t0 = time.perf_counter()
-        try: parts[name]()
-        except Exception as e:
-            import traceback; traceback.print_exc(); res[f"{name}_error"] = repr(e)
-        res.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
-        print(f"part {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        out.write_text(json.dumps(res, indent=1))
+    from graphs_h200 import run_parts
+    run_parts(parts, args.parts, res, out)
 
 
 if __name__ == "__main__":
