@@ -1,0 +1,148 @@
+"""Where a steady decode step's time goes, kernel by kernel and phase by phase (issue 6's overhead diet).
+
+Run on the device machine from the repo root:
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/diet_h200.py --out $OUT [--parts profile,...]
+Writes diet_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every part; copy it to
+figures/data/.
+
+Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused kernels, async scheduling):
+1. profile: at batch 1 and 64 in steady decode, with the decode kernel's split merge in the kernel and (the
+   control, side by side) in a second kernel, one profiled window of 32 steps: each kernel name's count and
+   device microseconds per step, the sum of kernel time, the wall time per step, and the step ledger's host phases
+   from a separate un-profiled window (the ledger's own events are left out of the kernel window);
+2. parity: greedy tokens with the engine's defaults against `enforce_eager=True` in fp32 (must be identical) and
+   bf16 (agreement reported), and the decode-attention kernel against its reference at split counts 1..16.
+"""
+import argparse, json, os, sys, time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import graphs_h200 as G                                      # noqa: E402  (steady decode, run_parts)
+from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
+from nanoserve.engine import StepLedger                      # noqa: E402
+from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
+
+
+def with_decode_merge(in_kernel: bool):
+    "The decode kernel's split merge in the kernel (now) or in `decode_reduce_kernel` (the control)."
+    import functools
+    import nanoserve.attention as A
+    A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
+
+
+def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(("merge in kernel", True),
+                                                                                ("reduce kernel", False))):
+    for cname, flag in configs:
+        with_decode_merge(flag)
+        profile_config(model_dir, res.setdefault("profile", {}).setdefault(cname, {}), batches, steps, rate_steps,
+                       cname)
+    with_decode_merge(True)
+
+
+def profile_config(model_dir, out, batches, steps, rate_steps, cname):
+    from nanoserve.measure import event_record, is_device_kernel, profile_run, warm_gpu
+    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), fused_kernels=True)
+    for b in batches:
+        G.steady_decode(llm, b)
+        warm_gpu(1.0, llm.device)
+        for _ in range(20): llm.step()
+        times = []
+        for _ in range(2):                                   # the step rate, twice, un-profiled, no ledger
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            for _ in range(rate_steps): llm.step()
+            torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / rate_steps * 1e3)
+        llm.ledger = StepLedger()                            # host phases (the ledger adds two events per step)
+        for _ in range(rate_steps): llm.step()
+        ledger = llm.ledger.summary()
+        llm.ledger = None
+        with profile_run(llm.device) as run:
+            for _ in range(steps): llm.step()
+            torch.cuda.synchronize()
+        by_name, count = defaultdict(float), defaultdict(int)
+        spans = []
+        for e in run.events:
+            if not is_device_kernel(e): continue
+            r = event_record(e)
+            by_name[r["name"][:90]] += r["end_us"] - r["start_us"]
+            count[r["name"][:90]] += 1
+            spans.append((r["start_us"], r["end_us"]))
+        spans.sort()
+        gaps = [b0 - a1 for (_, a1), (b0, _) in zip(spans, spans[1:])]
+        gaps_small = [g for g in gaps if 0 <= g < 20]        # between kernels of one graph (a step's gaps are larger)
+        row = {"batch": b, "ms_per_step": times, "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
+               "profiled_wall_ms_per_step": run.wall_s * 1e3 / steps,
+               "kernels_per_step": len(spans) / steps,
+               "kernel_us_per_step": sum(by_name.values()) / steps,
+               "gap_us_under_20_per_step": sum(gaps_small) / steps, "num_gaps_under_20": len(gaps_small) / steps,
+               "gap_us_over_20_per_step": sum(g for g in gaps if g >= 20) / steps,
+               "by_name": {k: {"count": count[k] / steps, "us": v / steps} for k, v in
+                           sorted(by_name.items(), key=lambda kv: -kv[1])},
+               "ledger_ms": {k: v * 1e3 if isinstance(v, float) else v for k, v in ledger.items()}}
+        print("profile", cname, b, {k: row[k] for k in ("ms_per_step", "kernels_per_step", "kernel_us_per_step",
+                                                 "gap_us_under_20_per_step", "gap_us_over_20_per_step")}, flush=True)
+        print("  ledger", {k: round(v, 3) for k, v in row["ledger_ms"].items()}, flush=True)
+        print("  top", [(k[:40], round(v["us"], 1)) for k, v in list(row["by_name"].items())[:12]], flush=True)
+        out[b] = row
+    for i in list(llm._requests): llm.abort_request(i)
+    while llm._inflight is not None: llm.step()
+    del llm; torch.cuda.empty_cache()
+
+
+def parity(model_dir, res):
+    "Greedy tokens, GPU defaults against enforce_eager (fp32 identical; bf16 reported); decode kernel vs reference."
+    import random
+    from nanoserve.attention import decode_attention, decode_attention_ref
+    g = random.Random(5)
+    prompts = [[g.randrange(151936) for _ in range(n)] for n in (7, 33, 64, 100, 130, 257, 1000, 1500)]
+    sp = G.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        toks = {}
+        for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False)), ("defaults", {})):
+            llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=8, **kw)
+            toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
+            del llm; torch.cuda.empty_cache()
+        a, b = toks["eager"], toks["defaults"]
+        out[dtype] = {"sequences": len(a), "identical": sum(x == y for x, y in zip(a, b)),
+                      "agreeing_prefixes": [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
+                                            for x, y in zip(a, b)]}
+        print("parity", dtype, out[dtype], flush=True)
+    rows = []
+    torch.manual_seed(0)
+    for B, ctx in ((1, 17), (3, 700), (64, 129), (8, 4000)):
+        H, KVH, D, bs = 14, 2, 64, 16
+        nblk = (ctx + bs - 1) // bs
+        k = torch.randn(B * nblk + 4, bs, KVH, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        table = torch.randperm(B * nblk + 4, device="cuda")[:B * nblk].view(B, nblk)   # [B, nblk]
+        lens = torch.randint(1, ctx + 1, (B,), device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        ref = decode_attention_ref(q.float(), k.float(), v.float(), table, lens, D ** -0.5, bs)
+        for splits in (1, 2, 4, 8, 16):
+            for _ in range(3):                                                 # replays reuse the counters
+                o = decode_attention(q, k, v, table, lens, D ** -0.5, bs, num_splits=splits)
+            rows.append({"B": B, "ctx": ctx, "splits": splits,
+                         "max_abs_err": (o.float() - ref).abs().max().item()})
+    out["decode_kernel"] = rows
+    print("decode kernel worst", max(r["max_abs_err"] for r in rows), flush=True)
+    res["parity"] = out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default="profile")
+    args = ap.parse_args()
+    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts}"}
+    out = Path(args.out) / "diet_h200.json"
+    d05 = random_checkpoint("0.5B")
+    parts = {"profile": lambda: profile(d05, res), "parity": lambda: parity(d05, res)}
+    G.run_parts(parts, args.parts, res, out)
+    out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
