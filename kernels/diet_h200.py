@@ -43,7 +43,7 @@ def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(
 
 
 def profile_config(model_dir, out, batches, steps, rate_steps, cname):
-    from nanoserve.measure import event_record, is_device_kernel, profile_run, warm_gpu
+    from nanoserve.measure import busy_share, event_record, is_device_kernel, profile_run, warm_gpu
     llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), fused_kernels=True)
     for b in batches:
         G.steady_decode(llm, b)
@@ -72,7 +72,7 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname):
         spans.sort()
         gaps = [b0 - a1 for (_, a1), (b0, _) in zip(spans, spans[1:])]
         gaps_small = [g for g in gaps if 0 <= g < 20]        # between kernels of one graph (a step's gaps are larger)
-        row = {"batch": b, "ms_per_step": times, "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
+        row = {"batch": b, "ms_per_step": times, "busy_share": busy_share(run), "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
                "profiled_wall_ms_per_step": run.wall_s * 1e3 / steps,
                "kernels_per_step": len(spans) / steps,
                "kernel_us_per_step": sum(by_name.values()) / steps,
@@ -120,7 +120,7 @@ def parity(model_dir, res):
         table = torch.randperm(B * nblk + 4, device="cuda")[:B * nblk].view(B, nblk)   # [B, nblk]
         lens = torch.randint(1, ctx + 1, (B,), device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        ref = decode_attention_ref(q.float(), k.float(), v.float(), table, lens, D ** -0.5, bs)
+        ref = decode_attention_ref(q.float(), k.float(), v.float(), table, lens, D ** -0.5)
         for splits in (1, 2, 4, 8, 16):
             for _ in range(3):                                                 # replays reuse the counters
                 o = decode_attention(q, k, v, table, lens, D ** -0.5, bs, num_splits=splits)
