@@ -6,12 +6,18 @@ Writes diet_h200.json (raw numbers, git sha, GPU, versions, date) to --out after
 figures/data/.
 
 Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused kernels, async scheduling):
-1. profile: at batch 1 and 64 in steady decode, with the decode kernel's split merge in the kernel and (the
-   control, side by side) in a second kernel, one profiled window of 32 steps: each kernel name's count and
+1. profile: at batch 1 and 64 in steady decode, for each configuration (the defaults; `row_gemv=False`; in the
+   first run, the decode kernel's split merge in a second kernel), one profiled window of 32 steps: each kernel name's count and
    device microseconds per step, the sum of kernel time, the wall time per step, and the step ledger's host phases
    from a separate un-profiled window (the ledger's own events are left out of the kernel window);
-2. parity: greedy tokens with the engine's defaults against `enforce_eager=True` in fp32 (must be identical) and
-   bf16 (agreement reported), and the decode-attention kernel against its reference at split counts 1..16.
+2. parity: greedy tokens with the engine's defaults against the plain path (`enforce_eager=True`, fused kernels
+   off, synchronous) in fp32 and bf16 (agreement reported), and the decode-attention kernel against its
+   reference at split counts 1..16;
+3. gemv: the one-row projections of the 0.5B and 7B shapes, cuBLAS against the fused-kernels chapter's `gemv`
+   (its rule, candidate blocks, split counts), each timed in CUDA graphs over weight copies that defeat L2; the
+   best per shape goes into `nanoserve.fused.GEMV_CONFIGS` for the parts after it, and is recorded;
+4. rate / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
+   `row_gemv=False` (cuBLAS), 0.5B at batch 1, 8, 64 and 7B at batch 1.
 """
 import argparse, json, os, sys, time
 from collections import defaultdict
@@ -33,18 +39,19 @@ def with_decode_merge(in_kernel: bool):
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
 
 
-def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(("merge in kernel", True),
-                                                                                ("reduce kernel", False))):
-    for cname, flag in configs:
-        with_decode_merge(flag)
+def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(("defaults", {}),)):
+    """`configs`: (name, LLM keyword arguments); a name starting "reduce kernel" runs the decode kernel's split
+    merge in its second kernel (the control of the in-kernel merge)."""
+    for cname, kw in configs:
+        with_decode_merge(not cname.startswith("reduce kernel"))
         profile_config(model_dir, res.setdefault("profile", {}).setdefault(cname, {}), batches, steps, rate_steps,
-                       cname)
+                       cname, kw)
     with_decode_merge(True)
 
 
-def profile_config(model_dir, out, batches, steps, rate_steps, cname):
+def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
     from nanoserve.measure import busy_share, event_record, is_device_kernel, profile_run, warm_gpu
-    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), fused_kernels=True)
+    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), **kw)
     for b in batches:
         G.steady_decode(llm, b)
         warm_gpu(1.0, llm.device)
@@ -101,7 +108,8 @@ def parity(model_dir, res):
     out = {}
     for dtype in ("float32", "bfloat16"):
         toks = {}
-        for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False)), ("defaults", {})):
+        for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
+                         ("defaults", {})):
             llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=8, **kw)
             toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
             del llm; torch.cuda.empty_cache()
@@ -131,6 +139,94 @@ def parity(model_dir, res):
     res["parity"] = out
 
 
+def layer_shapes(shape):
+    "(name, N, K, act, bias) of one layer's projections, as `gemv` takes them (down_proj with the activation)."
+    from nanoserve.bench import SHAPES
+    c = SHAPES[shape]
+    h, i, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    return [("qkv_proj", (heads + 2 * kvh) * d, h, False, True), ("o_proj", h, h, False, False),
+            ("gate_up_proj", 2 * i, h, False, False), ("down_proj", h, i, True, False)]
+
+
+def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
+    """One-row projections: cuBLAS (F.linear; down_proj: silu_mul + F.linear) against `gemv` with its rule and
+    candidate blocks, each timed by graph_bench; the best config per shape goes into GEMV_CONFIGS (so the later
+    parts run with it) and is recorded. Also each shape's error against an fp32 reference."""
+    import torch.nn.functional as F
+    from nanoserve.fused import GEMV_CONFIGS, gemv, gemv_config, silu_mul
+    GEMV_CONFIGS.clear()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = res["gemv"] = {"timer": "graph_bench (us per call)", "rows": [], "chosen": {}}
+    cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (128, 256, 512)
+                    for w in (4, 8)]
+    t0 = time.perf_counter()
+    layers = []
+    for shape in shapes:
+        for name, N, K, act, bias in layer_shapes(shape):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+            b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+            x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
+            nbytes = 2 * N * K
+            R = max(1, min(32, -(-(256 << 20) // nbytes)))
+            ws = [w] + [w.clone() for _ in range(R - 1)]
+            ref = F.linear(silu_mul(x).float() if act else x.float(), w.float(), None if b is None else b.float())
+            err = ((gemv(x, w, b, act).float() - ref).abs().max() / ref.abs().max()).item()
+            cub = (lambda i: (lambda: F.linear(silu_mul(x), ws[i], b))) if act else (lambda i: (lambda: F.linear(x, ws[i], b)))
+            row = {"shape": shape, "layer": name, "N": N, "K": K, "act": act, "rel_err_vs_fp32": err,
+                   "cublas_us": G.graph_bench(cub, nbytes)}
+            layers.append((row, x, ws, b, act, nbytes))
+            out["rows"].append(row)
+    for row, x, ws, b, act, nbytes in layers:
+        best = None
+        for cfg in cands:
+            if time.perf_counter() - t0 > budget_s and cfg: break
+            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, cfg)), nbytes))
+            row.setdefault("gemv_us", []).append({**cfg, "us": us})
+            if best is None or us < best[0]: best = (us, cfg)
+        full = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
+        for sk in (1, 2, 4, 8, 16):                                    # the winner's blocks with other splits
+            if sk == full["SPLIT_K"]: continue
+            c = {**full, "SPLIT_K": sk}
+            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c)), nbytes))
+            row["gemv_us"].append({**c, "us": us})
+            if us < best[0]: best = (us, c)
+        chosen = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
+        GEMV_CONFIGS[(row["N"], row["K"])] = chosen
+        row["chosen"], row["chosen_us"] = chosen, best[0]
+        row["speedup_vs_cublas"] = min(row["cublas_us"]) / best[0]
+        row["GBps"] = nbytes / (best[0] * 1e-6) / 1e9
+        print("gemv", row["shape"], row["layer"], f"cublas {min(row['cublas_us']):.1f} us, gemv {best[0]:.1f} us",
+              chosen, f"err {row['rel_err_vs_fp32']:.1e}", flush=True)
+    out["chosen"] = {f"{n}x{k}": c for (n, k), c in GEMV_CONFIGS.items()}
+    del layers; torch.cuda.empty_cache()
+
+
+def rate(model_dir, res, shape, batches, configs, key, steps=200):
+    "ms per step, back to back, one sync per pass, two passes after a warm-up pass, per LLM configuration."
+    from nanoserve.measure import warm_gpu
+    rows = res.setdefault(key, [])
+    for cname, kw in configs:
+        llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
+                    max_num_seqs=max(batches), **kw)
+        for b in batches:
+            G.steady_decode(llm, b)
+            warm_gpu(1.0, llm.device)
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize(); t0 = time.perf_counter()
+                for _ in range(steps): llm.step()
+                torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / steps * 1e3)
+            row = {"shape": shape, "config": cname, "batch": b, "ms_per_step": times[1:], "warmup_ms": times[0],
+                   "best_ms": min(times[1:]), "disagree": abs(times[1] - times[2]) > 0.15 * min(times[1:])}
+            print("rate", row, flush=True)
+            rows.append(row)
+        for i in list(llm._requests): llm.abort_request(i)
+        while llm._inflight is not None: llm.step()
+        del llm; torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -139,7 +235,12 @@ def main():
     res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
-    parts = {"profile": lambda: profile(d05, res), "parity": lambda: parity(d05, res)}
+    both = (("defaults", {}), ("row_gemv=False", {"row_gemv": False}))
+    parts = {"gemv": lambda: gemv_sweep(res),
+             "profile": lambda: profile(d05, res, configs=both),
+             "parity": lambda: parity(d05, res),
+             "rate": lambda: rate(d05, res, "0.5B", [1, 8, 64], both, "rate"),
+             "rate7b": lambda: rate(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate")}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

@@ -98,6 +98,29 @@ def copy_bandwidth_GBps(nbytes=4 << 30):
     return 2 * nbytes / (t.median_ms / 1e3) / 1e9, t.disagree
 
 
+def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10) -> list[float]:
+    """Microseconds per call of `make_call(i)()` as a decode step sees it: calls over R copies of the operands
+    (R x nbytes >= 256 MB, five times L2, so no call finds its weights cached) captured in one CUDA graph, the
+    graph replayed `replays` times per pass; one value per pass (no host launch time, no cache flush kernel)."""
+    R = max(1, min(32, -(-(256 << 20) // max(nbytes, 1))))
+    calls = [make_call(i) for i in range(R)]
+    for c in calls: c()                               # compile, pick algorithms, make the split counters
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls: c()
+    g.replay(); torch.cuda.synchronize()
+    out = []
+    for _ in range(passes):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays): g.replay()
+        b.record(); b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / (replays * R))
+    del g
+    return out
+
+
 def fast_random_checkpoint(shape):
     "A config-only folder; the loader is pointed at random tensors made on the GPU (a 7B safetensors file is 15 GB)."
     import nanoserve.model as M
