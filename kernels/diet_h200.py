@@ -16,7 +16,9 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
 3. gemv: the one-row projections of the 0.5B and 7B shapes, cuBLAS against the fused-kernels chapter's `gemv`
    (its rule, candidate blocks, split counts), each timed in CUDA graphs over weight copies that defeat L2; the
    best per shape goes into `nanoserve.fused.GEMV_CONFIGS` for the parts after it, and is recorded;
-4. rate / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
+4. splits: the decode-attention kernel alone for batch x context cases and split counts 1..16 (CUDA graphs
+   over KV-cache copies), against the split the package's rule picks;
+5. rate / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
    `row_gemv=False` (cuBLAS), 0.5B at batch 1, 8, 64 and 7B at batch 1.
 """
 import argparse, json, os, sys, time
@@ -203,6 +205,35 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
     del layers; torch.cuda.empty_cache()
 
 
+def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
+                             (64, 256)), splits=(1, 2, 4, 8, 16)):
+    """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
+    cases and split counts, timed by graph_bench over KV-cache copies; with the split the package's rule picks."""
+    from nanoserve.attention import _tile_n, choose_num_splits, decode_attention, num_sms
+    H, KVH, D, bs = 14, 2, 64, 16
+    rows = res["splits"] = []
+    for B, ctx in cases:
+        nblk = ctx // bs
+        nbytes = 2 * B * ctx * KVH * D * 2                      # K and V bytes the step reads
+        R = max(1, min(32, -(-(256 << 20) // nbytes)))
+        caches = [(torch.randn(B * nblk, bs, KVH, D, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(B * nblk, bs, KVH, D, device="cuda", dtype=torch.bfloat16)) for _ in range(R)]
+        table = torch.randperm(B * nblk, device="cuda").view(B, nblk)                      # [B, nblk]
+        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, _tile_n(bs, D), num_sms(q.device)),
+               "us": {}}
+        for sp in splits:
+            if sp > ctx // _tile_n(bs, D): continue
+            row["us"][sp] = min(G.graph_bench(lambda i: (lambda: decode_attention(q, caches[i][0], caches[i][1], table,
+                                                                                   lens, D ** -0.5, ctx, num_splits=sp)),
+                                              nbytes))
+        row["best"] = min(row["us"], key=row["us"].get)
+        print("splits", B, ctx, "rule", row["rule"], {k: round(v, 1) for k, v in row["us"].items()}, flush=True)
+        rows.append(row)
+        del caches; torch.cuda.empty_cache()
+
+
 def rate(model_dir, res, shape, batches, configs, key, steps=200):
     "ms per step, back to back, one sync per pass, two passes after a warm-up pass, per LLM configuration."
     from nanoserve.measure import warm_gpu
@@ -236,7 +267,7 @@ def main():
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     both = (("defaults", {}), ("row_gemv=False", {"row_gemv": False}))
-    parts = {"gemv": lambda: gemv_sweep(res),
+    parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rate(d05, res, "0.5B", [1, 8, 64], both, "rate"),
