@@ -18,7 +18,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    best per shape goes into `nanoserve.fused.GEMV_CONFIGS` for the parts after it, and is recorded;
 4. splits: the decode-attention kernel alone for batch x context cases and split counts 1..16 (CUDA graphs
    over KV-cache copies), against the split the package's rule picks;
-5. rate / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
+6. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), three runs;
+5. rate / rate256 / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
    `row_gemv=False` (cuBLAS), 0.5B at batch 1, 8, 64 and 7B at batch 1.
 """
 import argparse, json, os, sys, time
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import graphs_h200 as G                                      # noqa: E402  (steady decode, run_parts)
+import mixed_graphs_h200 as M                                # noqa: E402  (nano-vllm's workload)
 from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
 from nanoserve.engine import StepLedger                      # noqa: E402
 from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
@@ -271,6 +273,9 @@ def main():
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rate(d05, res, "0.5B", [1, 8, 64], both, "rate"),
+             "rate256": lambda: rate(d05, res, "0.5B", [1, 8, 64, 256], both, "rate"),
+             "profile1": lambda: profile(d05, res),
+             "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
              "rate7b": lambda: rate(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate")}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
