@@ -18,12 +18,9 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    best per shape goes into `nanoserve.fused.GEMV_CONFIGS` for the parts after it, and is recorded;
 4. splits: the decode-attention kernel alone for batch x context cases and split counts 1..16 (CUDA graphs
    over KV-cache copies), against the split the package's rule picks;
-5. rate / rate256 / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
-   `row_gemv=False` (cuBLAS), 0.5B at batch 1, 8, 64 (and 256) and 7B at batch 1;
 6. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), three runs;
-7. skinny: the projections at 8 and 64 rows, cuBLAS against the fused-kernels chapter's `skinny_gemm` (its rule,
-   candidate blocks, split counts at 64 rows), each timed in CUDA graphs; the best per shape goes into
-   `nanoserve.fused.SKINNY_CONFIGS` for the parts after it, and is recorded.
+5. rate / rate256 / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
+   `row_gemv=False` (cuBLAS), 0.5B at batch 1, 8, 64 and 7B at batch 1.
 """
 import argparse, json, os, sys, time
 from collections import defaultdict
@@ -210,67 +207,6 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
     del layers; torch.cuda.empty_cache()
 
 
-def skinny_sweep(res, shapes=("0.5B", "7B"), rows=(8, 64), budget_s=90.0):
-    """Projections at a few rows: cuBLAS (F.linear; down_proj: silu_mul + F.linear) against `skinny_gemm` with its
-    rule and candidate blocks at 64 rows, the winner's other split counts, and the winner at 8 rows; timed by
-    graph_bench. The best config per shape goes into SKINNY_CONFIGS for the parts after it, and is recorded."""
-    import torch.nn.functional as F
-    from nanoserve.fused import SKINNY_CONFIGS, silu_mul, skinny_config, skinny_gemm
-    SKINNY_CONFIGS.clear()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = res["skinny"] = {"timer": "graph_bench (us per call)", "rows": []}
-    cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st} for n in (32, 64, 128)
-                    for k in (64, 128) for w in (4, 8) for st in (3, 4)]
-    t0 = time.perf_counter()
-    for shape in shapes:
-        for name, N, K, act, bias in layer_shapes(shape):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-            b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-            nbytes = 2 * N * K
-            R = max(1, min(32, -(-(256 << 20) // nbytes)))
-            ws = [w] + [w.clone() for _ in range(R - 1)]
-            row = {"shape": shape, "layer": name, "N": N, "K": K, "act": act, "by_rows": {}}
-            xs = {M: torch.randn(M, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g) for M in rows}
-            for M, x in xs.items():
-                ref = F.linear(silu_mul(x).float() if act else x.float(), w.float(), None if b is None else b.float())
-                err = ((skinny_gemm(x, w, b, act).float() - ref).abs().max() / ref.abs().max()).item()
-                cub = (lambda i, x=x: (lambda: F.linear(silu_mul(x), ws[i], b))) if act else \
-                      (lambda i, x=x: (lambda: F.linear(x, ws[i], b)))
-                row["by_rows"][M] = {"rel_err_vs_fp32": err, "cublas_us": min(G.graph_bench(cub, nbytes))}
-            x = xs[max(rows)]
-            best = None
-            for cfg in cands:
-                if time.perf_counter() - t0 > budget_s and cfg: break
-                try: us = min(G.graph_bench(lambda i: (lambda: skinny_gemm(x, ws[i], b, act, cfg)), nbytes))
-                except Exception as e:
-                    row.setdefault("errors", []).append({**cfg, "error": repr(e)[:200]}); continue
-                row.setdefault("tried", []).append({**cfg, "us": us})
-                if best is None or us < best[0]: best = (us, cfg)
-            full = {k: v for k, v in skinny_config(max(rows), N, K, sms, best[1]).items()
-                    if k not in ("tiles_per_split", "BLOCK_M")}
-            for sk in (1, 2, 4, 8):
-                if sk == full["SPLIT_K"]: continue
-                c = {**full, "SPLIT_K": sk}
-                us = min(G.graph_bench(lambda i: (lambda: skinny_gemm(x, ws[i], b, act, c)), nbytes))
-                row["tried"].append({**c, "us": us})
-                if us < best[0]: best = (us, c)
-            chosen = {k: v for k, v in skinny_config(max(rows), N, K, sms, best[1]).items()
-                      if k not in ("tiles_per_split", "BLOCK_M")}
-            SKINNY_CONFIGS[(N, K)] = chosen
-            row["chosen"] = chosen
-            for M, xx in xs.items():
-                r = row["by_rows"][M]
-                r["skinny_us"] = min(G.graph_bench(lambda i: (lambda: skinny_gemm(xx, ws[i], b, act)), nbytes))
-                r["speedup_vs_cublas"] = r["cublas_us"] / r["skinny_us"]
-            out["rows"].append(row)
-            print("skinny", shape, name, chosen, {M: f"cublas {r['cublas_us']:.1f} skinny {r['skinny_us']:.1f} "
-                                                    f"err {r['rel_err_vs_fp32']:.1e}" for M, r in row["by_rows"].items()},
-                  flush=True)
-            del ws, xs; torch.cuda.empty_cache()
-    out["chosen"] = {f"{n}x{k}": c for (n, k), c in SKINNY_CONFIGS.items()}
-
-
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
                              (64, 256)), splits=(1, 2, 4, 8, 16)):
     """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
@@ -333,7 +269,7 @@ def main():
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     both = (("defaults", {}), ("row_gemv=False", {"row_gemv": False}))
-    parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res), "skinny": lambda: skinny_sweep(res),
+    parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rate(d05, res, "0.5B", [1, 8, 64], both, "rate"),
