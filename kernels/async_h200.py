@@ -45,29 +45,9 @@ def parity(model_dir, res):
 
 
 def step_rate(model_dir, res, shape, batches, num_steps=200):
-    """ms per step over `num_steps` consecutive `LLM.step()` calls, one sync at the end (a per-call sync, as in
-    `decode`, would drain the pipeline that async scheduling builds), twice per row, warm-up before each."""
-    from nanoserve.measure import warm_gpu
-    rows = []
-    for cname in ("sync", "async"):
-        llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
-                    max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches)), **G.CONFIGS[cname])
-        for b in batches:
-            G.steady_decode(llm, b)
-            warm_gpu(1.5, llm.device)
-            times = []
-            for _ in range(3):                          # the first pass is a warm-up of the pipeline
-                torch.cuda.synchronize(); t0 = time.perf_counter()
-                for _ in range(num_steps): llm.step()
-                torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / num_steps * 1e3)
-            row = {"shape": shape, "config": cname, "batch": b, "ms_per_step": times[1:], "warmup_ms": times[0],
-                   "disagree": abs(times[1] - times[2]) > 0.15 * min(times[1:]), "best_ms": min(times[1:])}
-            print("rate", row, flush=True)
-            rows.append(row)
-        for i in list(llm._requests): llm.abort_request(i)
-        while llm._inflight is not None: llm.step()
-        del llm; torch.cuda.empty_cache()
-    res.setdefault("step_rate", []).extend(rows)
+    "Steps per second, sync against async (graphs_h200.step_rates), into res['step_rate']."
+    G.step_rates(model_dir, res, shape, batches, [(c, G.CONFIGS[c]) for c in ("sync", "async")], "step_rate",
+                 num_steps, warm_s=1.5)
 
 
 def kernel_names(model_dir, res, batches=(1, 64), steps=16):

@@ -236,30 +236,6 @@ def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 10
         del caches; torch.cuda.empty_cache()
 
 
-def rate(model_dir, res, shape, batches, configs, key, steps=200):
-    "ms per step, back to back, one sync per pass, two passes after a warm-up pass, per LLM configuration."
-    from nanoserve.measure import warm_gpu
-    rows = res.setdefault(key, [])
-    for cname, kw in configs:
-        llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
-                    max_num_seqs=max(batches), **kw)
-        for b in batches:
-            G.steady_decode(llm, b)
-            warm_gpu(1.0, llm.device)
-            times = []
-            for _ in range(3):
-                torch.cuda.synchronize(); t0 = time.perf_counter()
-                for _ in range(steps): llm.step()
-                torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / steps * 1e3)
-            row = {"shape": shape, "config": cname, "batch": b, "ms_per_step": times[1:], "warmup_ms": times[0],
-                   "best_ms": min(times[1:]), "disagree": abs(times[1] - times[2]) > 0.15 * min(times[1:])}
-            print("rate", row, flush=True)
-            rows.append(row)
-        for i in list(llm._requests): llm.abort_request(i)
-        while llm._inflight is not None: llm.step()
-        del llm; torch.cuda.empty_cache()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -272,11 +248,11 @@ def main():
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
-             "rate": lambda: rate(d05, res, "0.5B", [1, 8, 64], both, "rate"),
-             "rate256": lambda: rate(d05, res, "0.5B", [1, 8, 64, 256], both, "rate"),
+             "rate": lambda: G.step_rates(d05, res, "0.5B", [1, 8, 64], both, "rate"),
+             "rate256": lambda: G.step_rates(d05, res, "0.5B", [1, 8, 64, 256], both, "rate"),
              "profile1": lambda: profile(d05, res),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
-             "rate7b": lambda: rate(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate")}
+             "rate7b": lambda: G.step_rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate")}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

@@ -121,6 +121,32 @@ def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10) -> l
     return out
 
 
+def step_rates(model_dir, res, shape, batches, configs, key, steps=200, warm_s=1.0):
+    """ms per step over `steps` consecutive `LLM.step()` calls with one sync per pass (a per-call sync would drain
+    the pipeline async scheduling builds), a warm-up pass then two timed passes, per (name, LLM kwargs) config;
+    rows appended to res[key]."""
+    from nanoserve.measure import warm_gpu
+    rows = res.setdefault(key, [])
+    for cname, kw in configs:
+        llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
+                  max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches)), **kw)
+        for b in batches:
+            steady_decode(llm, b)
+            warm_gpu(warm_s, llm.device)
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize(); t0 = time.perf_counter()
+                for _ in range(steps): llm.step()
+                torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / steps * 1e3)
+            row = {"shape": shape, "config": cname, "batch": b, "ms_per_step": times[1:], "warmup_ms": times[0],
+                   "best_ms": min(times[1:]), "disagree": abs(times[1] - times[2]) > 0.15 * min(times[1:])}
+            print("rate", row, flush=True)
+            rows.append(row)
+        for i in list(llm._requests): llm.abort_request(i)
+        while llm._inflight is not None: llm.step()
+        del llm; torch.cuda.empty_cache()
+
+
 def fast_random_checkpoint(shape):
     "A config-only folder; the loader is pointed at random tensors made on the GPU (a 7B safetensors file is 15 GB)."
     import nanoserve.model as M
