@@ -20,7 +20,11 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    over KV-cache copies), against the split the package's rule picks;
 6. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), three runs;
 5. rate / rate256 / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
-   `row_gemv=False` (cuBLAS), 0.5B at batch 1, 8, 64 and 7B at batch 1.
+   the control (`--control row_gemv`: `row_gemv=False`, cuBLAS; `--control pdl`: `pdl=False`, no programmatic
+   dependent launch), 0.5B at batch 1, 8, 64 and 7B at batch 1; rate7bq: the 7B at batch 1 quantized, INT8 and
+   INT4, with the defaults and the control;
+7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
+   programmatic dependent launch.
 """
 import argparse, json, os, sys, time
 from collections import defaultdict
@@ -207,6 +211,29 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
     del layers; torch.cuda.empty_cache()
 
 
+def gemv_pdl(res, shapes=("0.5B", "7B")):
+    "Each one-row projection's `gemv` (tuned config) in CUDA graphs of back-to-back calls, PDL on and off."
+    from nanoserve.fused import gemv
+    rows = res.setdefault("gemv_pdl", [])
+    for shape in shapes:
+        for name, N, K, act, bias in layer_shapes(shape):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+            b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+            x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
+            nbytes = 2 * N * K
+            R = max(1, min(32, -(-(256 << 20) // nbytes)))
+            ws = [w] + [w.clone() for _ in range(R - 1)]
+            same = torch.equal(gemv(x, w, b, act, pdl=True), gemv(x, w, b, act, pdl=False))
+            row = {"shape": shape, "layer": name, "N": N, "K": K, "act": act, "identical": same}
+            for pdl in (False, True):
+                row[f"pdl={pdl}_us"] = G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, pdl=pdl)), nbytes)
+            row["speedup"] = min(row["pdl=False_us"]) / min(row["pdl=True_us"])
+            print("gemv_pdl", row, flush=True)
+            rows.append(row)
+            del ws; torch.cuda.empty_cache()
+
+
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
                              (64, 256)), splits=(1, 2, 4, 8, 16)):
     """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
@@ -240,11 +267,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
+    ap.add_argument("--control", default="row_gemv", choices=["row_gemv", "pdl"])
     args = ap.parse_args()
-    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts}"}
+    res = {"meta": run_meta(),
+           "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --control {args.control}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
-    both = (("defaults", {}), ("row_gemv=False", {"row_gemv": False}))
+    both = (("defaults", {}), (f"{args.control}=False", {args.control: False}))
+    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both)
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
@@ -252,7 +282,9 @@ def main():
              "rate256": lambda: G.step_rates(d05, res, "0.5B", [1, 8, 64, 256], both, "rate"),
              "profile1": lambda: profile(d05, res),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
-             "rate7b": lambda: G.step_rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate")}
+             "rate7b": lambda: G.step_rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate"),
+             "rate7bq": lambda: G.step_rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant, "rate"),
+             "gemvpdl": lambda: gemv_pdl(res)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

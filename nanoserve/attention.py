@@ -42,18 +42,50 @@ def _row_max(x):
 def _row_sum(x):
     return tl.reduce(x, 1, _add_fn)
 
+
+# Programmatic dependent launch (Hopper and later; see the fused-kernels chapter): grid dependency control.
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:                         # an older Triton: `pdl_supported` says no
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def pdl_launch_next(PDL: tl.constexpr):
+    "Under programmatic dependent launch, let the next kernel in the stream start launching now."
+    if PDL: gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    "Under programmatic dependent launch, wait until the previous kernel has finished and its writes are visible."
+    if PDL: gdc_wait()
+
+
+def pdl_supported(device) -> bool:
+    "Whether Triton kernels on `device` can use programmatic dependent launch (compiled, compute capability >= 9)."
+    if INTERPRET or gdc_wait is None or torch.device(device).type != "cuda": return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    "Extra launch arguments of a Triton kernel: the launch attribute of programmatic dependent launch, if `pdl`."
+    return {"launch_pdl": True} if pdl else {}
+
 # %% auto #0
-__all__ = ['INTERPRET', 'rope_cache_kernel', 'rope_cache', 'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel',
-           'num_sms', 'choose_num_splits', 'split_counters', 'decode_attention', 'decode_attention_ref',
-           'prefill_attention_kernel', 'prefill_block_m', 'prefill_attention', 'prefill_tile_map',
-           'prefill_attention_ref', 'paged_attention']
+__all__ = ['INTERPRET', 'pdl_launch_next', 'pdl_wait', 'pdl_supported', 'launch_options', 'rope_cache_kernel', 'rope_cache',
+           'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel', 'num_sms', 'choose_num_splits',
+           'split_counters', 'decode_attention', 'decode_attention_ref', 'prefill_attention_kernel', 'prefill_block_m',
+           'prefill_attention', 'prefill_tile_map', 'prefill_attention_ref', 'paged_attention']
 
 # %% ../nbs/03_attention.ipynb #2aff12fc
 @triton.jit
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                       stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_cache_slot, stride_cache_h,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_H: tl.constexpr, UPCAST: tl.constexpr):
+                      BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)                           # every input here is the previous kernels' output
     t = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)
@@ -88,7 +120,8 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=km)
 
 
-def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int):
+def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int,
+               pdl: bool = False):
     "Rotate q and k of `qkv` [T, (H+2KVH)*D] by `cos`/`sin` [T, D]; store k, v in their cache slots; return q [T, H, D]."
     T = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -99,7 +132,8 @@ def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, nu
                             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
                             k_cache.stride(1), k_cache.stride(2),
                             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                            BLOCK_H=triton.next_power_of_2(num_heads), UPCAST=INTERPRET)
+                            BLOCK_H=triton.next_power_of_2(num_heads), UPCAST=INTERPRET, PDL=pdl,
+                            **launch_options(pdl))
     return q
 
 
@@ -121,7 +155,10 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr):
+                            NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,7 +271,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
-                     num_splits: int | None = None, out=None, merge_in_kernel: bool = True):
+                     num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce_kernel` if not `merge_in_kernel`."""
     B, H, D = q.shape
@@ -256,7 +293,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, num_warps=4)
+        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, PDL=pdl, num_warps=4,
+        **launch_options(pdl))
     if num_splits > 1 and not merge:
         decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
                                      NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=num_splits)
@@ -376,14 +414,16 @@ def prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q_lens, start_po
     return out
 
 # %% ../nbs/03_attention.ipynb #b248530c
-def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float):
-    "Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]."
-    q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
+def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
+                    pdl: bool = False):
+    """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
+    kernels use programmatic dependent launch (the fused-kernels chapter)."""
+    q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                         meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out[:nd])
+                         meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out[:nd], pdl=pdl)
     if nd < q.shape[0]:
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q_lens,
                           meta.prefill_start_pos, meta.prefill_max_q_len, scale, out=out[nd:],

@@ -482,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nanoserve engines: run steps with prefill chunks eagerly (decode steps still replay)")
     p.add_argument("--no-row-gemv", action="store_true",
                    help="nanoserve engines: one-row steps use cuBLAS, not the fused-kernels chapter's gemv")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="nanoserve engines: launch Triton kernels without programmatic dependent launch")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of GPU warm-up before each run")
     p.add_argument("--profile-steps", type=int, default=16,
@@ -528,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.scheduling != "auto": kw["async_scheduling"] = args.scheduling == "async"
         if args.no_mixed_step_graphs: kw["mixed_step_graphs"] = False
         if args.no_row_gemv: kw["row_gemv"] = False
+        if args.no_pdl: kw["pdl"] = False
         endpoint = None if args.endpoint is None else {
             "url": args.endpoint, "api_key": args.api_key or os.environ.get("OPENAI_API_KEY"),
             "model": args.served_model or args.model, "vocab_size": args.vocab_size, "max_model_len": args.max_model_len}

@@ -510,7 +510,8 @@ class LLM:
                  policy: str = "continuous", static_batch_size: int | None = None, fused_kernels: bool | None = None,
                  enforce_eager: bool = False, mixed_step_graphs: bool = True, async_scheduling: bool | None = None,
                  show_progress: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
-                 quant_group_size: int = 128, quantize_lm_head: bool = False, row_gemv: bool | None = None):
+                 quant_group_size: int = 128, quantize_lm_head: bool = False, row_gemv: bool | None = None,
+                 pdl: bool | None = None):
         from nanoserve.tokenizer import default_model, load_tokenizer
         if attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
@@ -534,6 +535,10 @@ class LLM:
         self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.row_gemv = self.fused_kernels if row_gemv is None else bool(row_gemv)   # one-row steps: `gemv`, not cuBLAS
+        from nanoserve.attention import pdl_supported   # programmatic dependent launch: Hopper and later
+        if pdl and not pdl_supported(self.device):
+            raise ValueError("pdl=True needs a CUDA GPU of compute capability 9.0 or later and compiled Triton kernels")
+        self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         # decode steps replay CUDA graphs (the CUDA-graphs chapter) on a GPU with the Triton attention kernels
         self.use_cuda_graphs = self.device.type == "cuda" and self.attention_backend == "triton" and not enforce_eager
         # schedule step N+1 while the GPU runs step N (on by default on a GPU; the same tokens either way)
@@ -546,6 +551,7 @@ class LLM:
                 self.parallel = TensorParallel(self.model_dir, tensor_parallel_size, self.device, dict(
                     dtype=str(load_dtype).removeprefix("torch.") if load_dtype else None,
                     attention_backend=self.attention_backend, fused_kernels=self.fused_kernels, row_gemv=self.row_gemv,
+                    pdl=self.pdl,
                     block_size=block_size,
                     utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
@@ -559,7 +565,7 @@ class LLM:
                 from nanoserve.quant import quantize_model
                 self.quant_report = quantize_model(self.model, quantization, quant_group_size, quantize_lm_head)
             self.model.set_attention_backend(self.attention_backend)
-            self.model.set_fused_kernels(self.fused_kernels, self.row_gemv)
+            self.model.set_fused_kernels(self.fused_kernels, self.row_gemv, self.pdl)
             self.tokenizer = load_tokenizer(self.model_dir)
             self.tokenizer.model_max_length = 1 << 62      # we check lengths against the context ourselves
             # detokenize with the Rust tokenizer directly when that gives the same text (4x less time per token)

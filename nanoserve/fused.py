@@ -15,7 +15,7 @@ if not torch.cuda.is_available():          # on a CPU, Triton runs only through 
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, _add_fn
+from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_wait
 
 # %% auto #0
 __all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul', 'silu_mul_ref',
@@ -24,10 +24,14 @@ __all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref
 # %% ../nbs/06_fused.ipynb #a98d7a3a
 @triton.jit
 def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps, stride_x, stride_r,
-                       stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                       stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)       # a weight: before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -36,11 +40,10 @@ def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_pt
         x = s.to(tl.float32)
     var = tl.reduce(x * x, 0, _add_fn) / HIDDEN
     normed = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool = False):
     "RMSNorm of `x` [T, H] (after adding `residual`, if given): returns `out`, or `(out, x + residual)`."
     T, H = x.shape
     assert x.stride(-1) == 1 and weight.is_contiguous()
@@ -50,7 +53,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         r = residual if residual is not None else x
         add_rmsnorm_kernel[(T,)](x, r, weight, out, new_residual, eps, x.stride(0), r.stride(0), out.stride(0),
                                  new_residual.stride(0), HIDDEN=H, BLOCK=triton.next_power_of_2(H),
-                                 HAS_RESIDUAL=residual is not None, num_warps=4)
+                                 HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out if residual is None else (out, new_residual)
 
 
@@ -63,7 +66,10 @@ def add_rmsnorm_ref(x, residual, weight, eps):
 
 # %% ../nbs/06_fused.ipynb #e8ffd875
 @triton.jit
-def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -73,7 +79,7 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTER: tl.const
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     "silu(gate) * up for `gate_up` [T, 2I] -> [T, I]."
     T, two_i = gate_up.shape
     inter = two_i // 2
@@ -82,7 +88,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if T:
         block = min(1024, triton.next_power_of_2(inter)) if not INTERPRET else triton.next_power_of_2(inter)
         silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                        INTER=inter, BLOCK=block, num_warps=4)
+                                                        INTER=inter, BLOCK=block, PDL=pdl, num_warps=4,
+                                                        **launch_options(pdl))
     return out
 
 
@@ -135,9 +142,36 @@ def finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, 
 
 
 @triton.jit
+def _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
+    "One `[BLOCK_N, BLOCK_K]` weight tile in fp32."
+    if EVEN:
+        return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :]).to(tl.float32)
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n < N)[:, None] & (kk < K)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr):
+    "The `[BLOCK_K]` inputs in fp32; with `ACT`, silu(gate) * up of the `[1, 2K]` row, rounded as `silu_mul` rounds."
+    if EVEN:
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    if ACT:
+        if EVEN:
+            up = tl.load(x_ptr + K + kk).to(tl.float32)
+        else:
+            up = tl.load(x_ptr + K + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, EVEN: tl.constexpr):
+                SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,23 +179,13 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
     num_tiles = (K + BLOCK_K - 1) // BLOCK_K
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    for t in range(t_begin, t_end):
+    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
+    w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
+    pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
+    acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
+    for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
-        if EVEN:
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :]).to(tl.float32)      # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_ptr + kk).to(tl.float32)                                            # [BLOCK_K]
-            if ACT: up = tl.load(x_ptr + K + kk).to(tl.float32)
-        else:
-            km = kk < K
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n < N)[:, None] & km[None, :],
-                        other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            if ACT: up = tl.load(x_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
-        if ACT:                                   # x is the gate: silu(gate) * up, rounded as `silu_mul` rounds
-            x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += w * x[None, :]
+        acc += _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN) * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
     out = _sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
     finish_split(out, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, 0, pid_n, pid_k,
                  tl.num_programs(1), HAS_BIAS, SPLIT)
@@ -201,7 +225,7 @@ def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-         config: dict | None = None) -> torch.Tensor:
+         config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     "`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up goes in."
     from nanoserve.attention import num_sms, split_counters
     N, K = weight.shape
@@ -217,8 +241,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     gemv_kernel[(n_tiles, cfg["SPLIT_K"])](
         x, weight, bias if bias is not None else weight, out, part, counters, N, K, cfg["tiles_per_split"],
         weight.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return out
 
 

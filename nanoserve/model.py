@@ -97,11 +97,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.fused = False              # True: one Triton kernel (the fused-kernels chapter)
+        self.pdl = False                # True: that kernel uses programmatic dependent launch (same chapter)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.fused:
             from nanoserve.fused import add_rmsnorm
-            return add_rmsnorm(x, residual, self.weight, self.eps)
+            return add_rmsnorm(x, residual, self.weight, self.eps, pdl=self.pdl)
         if residual is not None: x = residual = x + residual
         dtype = x.dtype
         h = x.float()
@@ -218,8 +219,8 @@ def attend_ref(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
 
 
 def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, num_heads: int,
-                        num_kv_heads: int, scale: float):
-    "The torch attention backend: `qkv` [T, (H+2KVH)*D] before RoPE -> [T, H, D]."
+                        num_kv_heads: int, scale: float, pdl: bool = False):
+    "The torch attention backend: `qkv` [T, (H+2KVH)*D] before RoPE -> [T, H, D] (`pdl` is for Triton kernels)."
     T, D = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q = apply_rotary(q.view(T, num_heads, D), cos, sin)          # [T, H, D]
@@ -232,11 +233,11 @@ def _gemv_fits(layer: nn.Module, x: torch.Tensor) -> bool:
     return type(layer) is nn.Linear and x.shape[0] == 1 and x.is_cuda
 
 
-def linear(layer: nn.Module, x: torch.Tensor, row_gemv: bool = False) -> torch.Tensor:
-    "`layer(x)`, or the fused-kernels chapter's one-row `gemv` when asked and it fits."
+def linear(layer: nn.Module, x: torch.Tensor, row_gemv: bool = False, pdl: bool = False) -> torch.Tensor:
+    "`layer(x)`, or the fused-kernels chapter's one-row `gemv` when asked and it fits (`pdl`: launched dependently)."
     if row_gemv and _gemv_fits(layer, x):
         from nanoserve.fused import gemv
-        return gemv(x, layer.weight, layer.bias)
+        return gemv(x, layer.weight, layer.bias, pdl=pdl)
     return layer(x)
 
 
@@ -249,12 +250,14 @@ class Qwen2Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
         self.row_gemv = False           # True: one-row steps use the fused-kernels chapter's `gemv`
+        self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
         T = x.shape[0]
-        qkv = linear(self.qkv_proj, x, self.row_gemv)                              # [T, (H+2KVH)*D]
-        out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale)
-        return linear(self.o_proj, out.view(T, self.q_size), self.row_gemv)        # [T, hidden]
+        qkv = linear(self.qkv_proj, x, self.row_gemv, self.pdl)                    # [T, (H+2KVH)*D]
+        out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale,
+                      pdl=self.pdl)                                                 # [T, H, D]
+        return linear(self.o_proj, out.view(T, self.q_size), self.row_gemv, self.pdl)   # [T, hidden]
 
 
 class Qwen2MLP(nn.Module):
@@ -264,14 +267,15 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused = False              # True: SiLU(gate) x up in one Triton kernel
         self.row_gemv = False           # True: one-row steps use `gemv`, the activation fused into the down projection
+        self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x):
         if self.fused:
             from nanoserve.fused import gemv, silu_mul
-            gate_up = linear(self.gate_up_proj, x, self.row_gemv)
+            gate_up = linear(self.gate_up_proj, x, self.row_gemv, self.pdl)
             if self.row_gemv and _gemv_fits(self.down_proj, gate_up):
-                return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True)
-            return self.down_proj(silu_mul(gate_up))
+                return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=self.pdl)
+            return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -313,13 +317,15 @@ class Qwen2ForCausalLM(nn.Module):
             self.attn_fn = paged_attention
         else: raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
 
-    def set_fused_kernels(self, on: bool, row_gemv: bool | None = None) -> None:
+    def set_fused_kernels(self, on: bool, row_gemv: bool | None = None, pdl: bool = False) -> None:
         """Run every RMSNorm (with its residual add) and SiLU x mul as single Triton kernels, and (`row_gemv`, by
-        default with them) one-row projections on a GPU as the fused-kernels chapter's `gemv`."""
+        default with them) one-row projections on a GPU as the fused-kernels chapter's `gemv`. `pdl`: every module
+        with a `pdl` switch launches its Triton kernels with programmatic dependent launch (same chapter)."""
         row_gemv = on if row_gemv is None else row_gemv
         for m in self.modules():
             if isinstance(m, (RMSNorm, Qwen2MLP)): m.fused = bool(on)
             if isinstance(m, (Qwen2Attention, Qwen2MLP)): m.row_gemv = bool(row_gemv)
+            if hasattr(m, "pdl"): m.pdl = bool(pdl)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         "input_ids, positions [T]; kv_caches[i] = (k_cache, v_cache) of layer i -> hidden states [T, hidden]."

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():          # on a CPU, Triton runs only through 
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, num_sms, split_counters
+from .attention import INTERPRET, launch_options, num_sms, pdl_launch_next, pdl_wait, split_counters
 from .fused import _sum_last, finish_split, split_tiles
 
 METHODS = ("int8", "int4")
@@ -164,7 +164,8 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                       tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
-                      PAIRS: tl.constexpr, EVEN: tl.constexpr):
+                      PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                            # every row in one program
@@ -175,14 +176,18 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     if BITS == 8 and BLOCK_M == 1 and EVEN:   # one row: products kept in a tile, reduced once after the loop
         k = tl.arange(0, BLOCK_K)
-        tile = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-        for t in range(t_begin, t_end):
+        kk = t_begin * BLOCK_K + k                                            # the first tile: before the wait
+        u = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kk[None, :]).to(tl.int32)          # [BLOCK_N, BLOCK_K]
+        pdl_wait(PDL)
+        tile = ((u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * tl.load(x_ptr + kk).to(tl.float32)[None, :]
+        for t in range(t_begin + 1, t_end):
             kk = t * BLOCK_K + k
             u = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kk[None, :]).to(tl.int32)      # [BLOCK_N, BLOCK_K]
             w = (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             tile += w * tl.load(x_ptr + kk).to(tl.float32)[None, :]
         acc = _sum_last(tile, 1)[None, :]                                                          # [1, BLOCK_N]
     else:
+        pdl_wait(PDL)
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             for j in tl.static_range(BLOCK_K // SUB_K):                       # sub-tiles: one INT4 group each
@@ -332,7 +337,7 @@ def _args(x, qweight, scales, zeros, bias):
 
 
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
-               split_k: int | None = None, config: dict | None = None) -> torch.Tensor:
+               split_k: int | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     "FMA GEMV path: x [T, K] (T <= GEMV_MAX_T on the GPU) -> [T, N] in x's dtype."
     x, z, b = _args(x, qweight, scales, zeros, bias)
     M, K = x.shape
@@ -350,8 +355,8 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
         x, q, scales, z, b, out, part, counters, M, N, K, per, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, GROUP=group_size or 1, HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"],
-        SPLIT=split_k > 1, PAIRS=cfg["PAIRS"], EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SPLIT=split_k > 1, PAIRS=cfg["PAIRS"], EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return out
 
 
@@ -377,11 +382,13 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     return out
 
 
-def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None) -> torch.Tensor:
-    "x [T, K] @ dequantize(W).T (+ bias) with the Triton kernels: GEMV up to `GEMV_MAX_T` rows, else GEMM."
+def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
+                 pdl: bool = False) -> torch.Tensor:
+    """x [T, K] @ dequantize(W).T (+ bias) with the Triton kernels: GEMV up to `GEMV_MAX_T` rows (`pdl`: with
+    programmatic dependent launch), else GEMM."""
     if not kernels_support(method, group_size):
         raise ValueError(f"the Triton kernels need group_size % 32 == 0 for int4, got {group_size}")
-    if x.shape[0] <= GEMV_MAX_T: return quant_gemv(x, qweight, scales, zeros, bias, method, group_size)
+    if x.shape[0] <= GEMV_MAX_T: return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl)
     return quant_gemm(x, qweight, scales, zeros, bias, method, group_size)
 
 # %% ../nbs/10_quant.ipynb #90581afd
@@ -399,6 +406,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
+        self.pdl = False                        # True: the GEMV uses programmatic dependent launch (`set_fused_kernels`)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 128, name: str = "linear") -> "QuantLinear":
@@ -420,7 +428,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                                 # [T, K]
         args = (self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size)
-        out = quant_matmul(x2, *args) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
+        out = quant_matmul(x2, *args, pdl=self.pdl) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
         return out.reshape(*lead, self.out_features)                         # [..., N]
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:

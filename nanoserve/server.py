@@ -842,6 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     e.add_argument("--no-mixed-step-graphs", action="store_true", help="steps with prefill chunks run eagerly")
     e.add_argument("--no-row-gemv", action="store_true", help="one-row steps use cuBLAS, not the one-row gemv")
+    e.add_argument("--no-pdl", action="store_true", help="Triton kernels launch without programmatic dependent launch")
     e.add_argument("--scheduling", default="auto", choices=["auto", "async", "sync"],
                    help="prepare step N+1 while step N runs (auto: async on a GPU)")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to split the model across")
@@ -871,6 +872,7 @@ def main(argv: list[str] | None = None) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
                   seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                   mixed_step_graphs=not args.no_mixed_step_graphs, row_gemv=False if args.no_row_gemv else None,
+                  pdl=False if args.no_pdl else None,
                   async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
                   show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                   quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head)

@@ -347,7 +347,7 @@ def test_cli_run_writes_json_and_plots(model_dir, tmp_path, capsys):
     rc = bench.main(["--engines", "continuous", "--num-requests", "3", "--prompt-median", "8", "--output-median", "4",
                      "--prompt-max", "16", "--output-max", "6", "--repeats", "1", "--warmup", "0", "--device", "cpu",
                      "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--out", str(out), "--plot",
-                     "--scheduling", "async", "--no-mixed-step-graphs", "--no-row-gemv"])
+                     "--scheduling", "async", "--no-mixed-step-graphs", "--no-row-gemv", "--no-pdl"])
     assert rc == 0
     res = json.loads(out.read_text())
     (run,) = res["runs"]
@@ -356,7 +356,7 @@ def test_cli_run_writes_json_and_plots(model_dir, tmp_path, capsys):
     assert res["command"].startswith("nanoserve bench --engines continuous")
     assert res["engine_kwargs"]["device"] == "cpu"
     assert res["engine_kwargs"]["async_scheduling"] is True and res["engine_kwargs"]["mixed_step_graphs"] is False
-    assert res["engine_kwargs"]["row_gemv"] is False
+    assert res["engine_kwargs"]["row_gemv"] is False and res["engine_kwargs"]["pdl"] is False
     stdout = capsys.readouterr().out
     assert f"results: {out}" in stdout and "continuous" in stdout
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))

@@ -503,17 +503,18 @@ def test_stream_chunks_carry_tokens_without_text():
 
 
 def test_serve_passes_the_scheduling_options_to_the_engine(monkeypatch):
-    "`--scheduling`, `--no-mixed-step-graphs` and `--no-row-gemv` reach `LLM` (captured; the engine refuses to load)."
+    "`--scheduling`, `--no-mixed-step-graphs`, `--no-row-gemv`, `--no-pdl` reach `LLM` (captured; the engine refuses to load)."
     import nanoserve.server as server
     seen = []
     def fake_llm(*args, **kw):
         seen.append(kw)
         raise ValueError("not loading a model in this test")
     monkeypatch.setattr(server, "LLM", fake_llm)
-    assert server.main(["--scheduling", "sync", "--no-mixed-step-graphs", "--no-row-gemv", "--device", "cpu"]) == 2
+    assert server.main(["--scheduling", "sync", "--no-mixed-step-graphs", "--no-row-gemv", "--no-pdl", "--device", "cpu"]) == 2
     assert server.main(["--device", "cpu"]) == 2
     assert (seen[0]["async_scheduling"], seen[0]["mixed_step_graphs"]) == (False, False)
     assert (seen[1]["async_scheduling"], seen[1]["mixed_step_graphs"]) == (None, True)
     assert (seen[0]["row_gemv"], seen[1]["row_gemv"]) == (False, None)
+    assert (seen[0]["pdl"], seen[1]["pdl"]) == (False, None)
     with pytest.raises(SystemExit):
         server.main(["--scheduling", "sometimes"])
