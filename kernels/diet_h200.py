@@ -38,6 +38,7 @@ import mixed_graphs_h200 as M                                # noqa: E402  (nano
 from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
 from nanoserve.engine import StepLedger                      # noqa: E402
 from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
+from nanoserve.model import norm_linear as ORIGINAL_NORM_LINEAR          # noqa: E402
 
 
 def with_decode_merge(in_kernel: bool):
@@ -47,14 +48,37 @@ def with_decode_merge(in_kernel: bool):
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
 
 
+def with_norm_in_gemv(on: bool):
+    "One-row steps fuse each RMSNorm into the projection after it (now), or run it as its own kernel (the control)."
+    import nanoserve.model as Mo
+    def apart(norm, layer, x, residual, row_gemv=False, pdl=False):
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return Mo.linear(layer, h, row_gemv, pdl), residual
+    Mo.norm_linear = ORIGINAL_NORM_LINEAR if on else apart
+
+
+def patched(cname: str):
+    "The module-level controls a configuration's name asks for."
+    with_decode_merge(not cname.startswith("reduce kernel"))
+    with_norm_in_gemv(not cname.startswith("norm apart"))
+
+
+def rates(model_dir, res, shape, batches, configs):
+    "`graphs_h200.step_rates` per configuration, with its module-level controls patched in."
+    for c in configs:
+        patched(c[0])
+        G.step_rates(model_dir, res, shape, batches, [c], "rate")
+    patched("defaults")
+
+
 def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(("defaults", {}),)):
     """`configs`: (name, LLM keyword arguments); a name starting "reduce kernel" runs the decode kernel's split
     merge in its second kernel (the control of the in-kernel merge)."""
     for cname, kw in configs:
-        with_decode_merge(not cname.startswith("reduce kernel"))
+        patched(cname)
         profile_config(model_dir, res.setdefault("profile", {}).setdefault(cname, {}), batches, steps, rate_steps,
                        cname, kw)
-    with_decode_merge(True)
+    patched("defaults")
 
 
 def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
@@ -231,6 +255,22 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
             row["speedup"] = min(row["pdl=False_us"]) / min(row["pdl=True_us"])
             print("gemv_pdl", row, flush=True)
             rows.append(row)
+            if shape == "7B":                                  # the quantized GEMV of the same layer
+                from nanoserve.quant import quant_gemv, quantize_int4, quantize_int8
+                for method in ("int8", "int4"):
+                    q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+                    xq = x[:, :K].contiguous()
+                    qb = q[0].numel() * q[0].element_size()
+                    Rq = max(1, min(32, -(-(256 << 20) // qb)))
+                    qs = [q] + [tuple(t.clone() if t is not None else None for t in q) for _ in range(Rq - 1)]
+                    qrow = {"shape": shape, "layer": name, "method": method}
+                    for pdl in (False, True):
+                        qrow[f"pdl={pdl}_us"] = G.graph_bench(
+                            lambda i: (lambda: quant_gemv(xq, *qs[i], b, method, 128, pdl=pdl)), qb)
+                    qrow["speedup"] = min(qrow["pdl=False_us"]) / min(qrow["pdl=True_us"])
+                    print("quant_gemv_pdl", qrow, flush=True)
+                    rows.append(qrow)
+                    del qs
             del ws; torch.cuda.empty_cache()
 
 
@@ -267,23 +307,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
-    ap.add_argument("--control", default="row_gemv", choices=["row_gemv", "pdl"])
+    ap.add_argument("--controls", default="row_gemv",
+                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
+                         "norm (each RMSNorm its own kernel, not fused into the one-row projection after it)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
-           "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --control {args.control}"}
+           "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
-    both = (("defaults", {}), (f"{args.control}=False", {args.control: False}))
-    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both)
+    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
+             "norm": ("norm apart", {})}
+    both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
+    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both
+                  if not c.startswith("norm"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
-             "rate": lambda: G.step_rates(d05, res, "0.5B", [1, 8, 64], both, "rate"),
-             "rate256": lambda: G.step_rates(d05, res, "0.5B", [1, 8, 64, 256], both, "rate"),
+             "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),
+             "rate256": lambda: rates(d05, res, "0.5B", [1, 8, 64, 256], both),
              "profile1": lambda: profile(d05, res),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
-             "rate7b": lambda: G.step_rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both, "rate"),
-             "rate7bq": lambda: G.step_rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant, "rate"),
+             "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
+             "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
