@@ -38,7 +38,6 @@ import mixed_graphs_h200 as M                                # noqa: E402  (nano
 from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
 from nanoserve.engine import StepLedger                      # noqa: E402
 from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
-from nanoserve.model import norm_linear as ORIGINAL_NORM_LINEAR          # noqa: E402
 
 
 def with_decode_merge(in_kernel: bool):
@@ -48,19 +47,9 @@ def with_decode_merge(in_kernel: bool):
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
 
 
-def with_norm_in_gemv(on: bool):
-    "One-row steps fuse each RMSNorm into the projection after it (now), or run it as its own kernel (the control)."
-    import nanoserve.model as Mo
-    def apart(norm, layer, x, residual, row_gemv=False, pdl=False):
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return Mo.linear(layer, h, row_gemv, pdl), residual
-    Mo.norm_linear = ORIGINAL_NORM_LINEAR if on else apart
-
-
 def patched(cname: str):
     "The module-level controls a configuration's name asks for."
     with_decode_merge(not cname.startswith("reduce kernel"))
-    with_norm_in_gemv(not cname.startswith("norm apart"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -181,7 +170,7 @@ def layer_shapes(shape):
             ("gate_up_proj", 2 * i, h, False, False), ("down_proj", h, i, True, False)]
 
 
-def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
+def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
     """One-row projections: cuBLAS (F.linear; down_proj: silu_mul + F.linear) against `gemv` with its rule and
     candidate blocks, each timed by graph_bench; the best config per shape goes into GEMV_CONFIGS (so the later
     parts run with it) and is recorded. Also each shape's error against an fp32 reference."""
@@ -189,7 +178,7 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
     from nanoserve.fused import GEMV_CONFIGS, gemv, gemv_config, silu_mul
     GEMV_CONFIGS.clear()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = res["gemv"] = {"timer": "graph_bench (us per call)", "rows": [], "chosen": {}}
+    out = res["gemv"] = {"timer": "graph_bench (us per call)", "rows": [], "chosen": {}, "pdl": pdl}
     cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (128, 256, 512)
                     for w in (4, 8)]
     t0 = time.perf_counter()
@@ -214,14 +203,14 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0):
         best = None
         for cfg in cands:
             if time.perf_counter() - t0 > budget_s and cfg: break
-            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, cfg)), nbytes))
+            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, cfg, pdl=pdl)), nbytes))
             row.setdefault("gemv_us", []).append({**cfg, "us": us})
             if best is None or us < best[0]: best = (us, cfg)
         full = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
         for sk in (1, 2, 4, 8, 16):                                    # the winner's blocks with other splits
             if sk == full["SPLIT_K"]: continue
             c = {**full, "SPLIT_K": sk}
-            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c)), nbytes))
+            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c, pdl=pdl)), nbytes))
             row["gemv_us"].append({**c, "us": us})
             if us < best[0]: best = (us, c)
         chosen = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
@@ -274,6 +263,46 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
             del ws; torch.cuda.empty_cache()
 
 
+def quant_one_row(res, budget_s=60.0):
+    "The 7B projections at one row, quantized: the FMA GEMV (tuned) against the tensor-core GEMM path (16-row tiles)."
+    from nanoserve.quant import quant_gemm, quant_gemv, quantize_int4, quantize_int8
+    rows = res.setdefault("quant_one_row", [])
+    t0 = time.perf_counter()
+    cands = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+             for n in (32, 64, 128) for k in (64, 128) for w in (4, 8) for st in (3, 4)]
+    for name, N, K, act, bias in layer_shapes("7B"):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        for method in ("int8", "int4"):
+            q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+            qb = q[0].numel() * q[0].element_size()
+            Rq = max(1, min(32, -(-(256 << 20) // qb)))
+            qs = [q] + [tuple(t.clone() if t is not None else None for t in q) for _ in range(Rq - 1)]
+            ref = quant_gemv(x, *q, b, method, 128).float()
+            row = {"layer": name, "method": method, "gemv_us": min(G.graph_bench(
+                lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128)), qb)), "gemm": []}
+            for cfg in cands:
+                if time.perf_counter() - t0 > budget_s: break
+                try:
+                    err = ((quant_gemm(x, *q, b, method, 128, config=cfg).float() - ref).abs().max()
+                           / ref.abs().max()).item()
+                    us = min(G.graph_bench(lambda i: (lambda: quant_gemm(x, *qs[i], b, method, 128, config=cfg)), qb))
+                except Exception as e:                      # a config that does not compile (shared memory)
+                    row["gemm"].append({**cfg, "error": str(e)[:80]}); continue
+                row["gemm"].append({**cfg, "us": us, "rel_err": err})
+            ok = [c for c in row["gemm"] if "us" in c]
+            if ok:
+                best = min(ok, key=lambda c: c["us"])
+                row["best_gemm"], row["gemm_over_gemv"] = best, row["gemv_us"] / best["us"]
+            print("quant_one_row", name, method, f"gemv {row['gemv_us']:.1f} us", "best gemm",
+                  row.get("best_gemm"), flush=True)
+            rows.append(row)
+            del qs
+        del w; torch.cuda.empty_cache()
+
+
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
                              (64, 256)), splits=(1, 2, 4, 8, 16)):
     """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
@@ -308,18 +337,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
     ap.add_argument("--controls", default="row_gemv",
-                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
-                         "norm (each RMSNorm its own kernel, not fused into the one-row projection after it)")
+                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
-    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "norm": ("norm apart", {})}
+    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
-    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both
-                  if not c.startswith("norm"))
+    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both)
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
@@ -329,7 +355,7 @@ def main():
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
-             "gemvpdl": lambda: gemv_pdl(res)}
+             "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

@@ -151,52 +151,25 @@ def _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_k(ptr, kk, K, EVEN: tl.constexpr):
-    "`[BLOCK_K]` values at `kk` in fp32 (zeros past K)."
+def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr):
+    "The `[BLOCK_K]` inputs in fp32; with `ACT`, silu(gate) * up of the `[1, 2K]` row, rounded as `silu_mul` rounds."
     if EVEN:
-        return tl.load(ptr + kk).to(tl.float32)
-    return tl.load(ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _rms_row(x_ptr, residual_ptr, new_residual_ptr, K, eps, first, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
-    "1 / RMS of the whole row (after the residual add, rounded as `add_rmsnorm` rounds); the `first` program stores the sum."
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < K
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        s = (x + tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
-        if first:
-            tl.store(new_residual_ptr + cols, s, mask=mask)
-        x = s.to(tl.float32)
-    var = tl.reduce(x * x, 0, _add_fn) / K
-    return 1.0 / tl.sqrt(var + eps)
-
-
-@triton.jit
-def _gemv_inputs(x_ptr, residual_ptr, norm_w_ptr, kk, K, inv_rms, ACT: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
-    """The `[BLOCK_K]` inputs in fp32. `ACT`: silu(gate) * up of the `[1, 2K]` row, rounded as `silu_mul` rounds.
-    `NORM`: RMSNorm(x + residual) * weight, rounded as `add_rmsnorm` rounds."""
-    dt = x_ptr.dtype.element_ty
-    x = _load_k(x_ptr, kk, K, EVEN)
-    if ACT:                                   # x is the gate
-        up = _load_k(x_ptr + K, kk, K, EVEN)
-        x = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
-        x = (x * up).to(dt).to(tl.float32)
-    if NORM:
-        if HAS_RESIDUAL:
-            x = (x + _load_k(residual_ptr, kk, K, EVEN)).to(dt).to(tl.float32)
-        x = (x * inv_rms).to(dt).to(tl.float32)
-        x = (x * _load_k(norm_w_ptr, kk, K, EVEN)).to(dt).to(tl.float32)
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    if ACT:
+        if EVEN:
+            up = tl.load(x_ptr + K + kk).to(tl.float32)
+        else:
+            up = tl.load(x_ptr + K + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     return x
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, residual_ptr, norm_w_ptr, new_residual_ptr,
-                eps, N, K, tiles_per_split, stride_wn,
-                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
+                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
@@ -209,15 +182,10 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, residual
     kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
     w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
-    inv_rms = 1.0
-    if NORM:                                    # every program normalises the (short) row itself
-        inv_rms = _rms_row(x_ptr, residual_ptr, new_residual_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
-                           HAS_RESIDUAL, BLOCK_H)
-    acc = w * _gemv_inputs(x_ptr, residual_ptr, norm_w_ptr, kk, K, inv_rms, ACT, NORM, HAS_RESIDUAL, EVEN)[None, :]
+    acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
     for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
-        x = _gemv_inputs(x_ptr, residual_ptr, norm_w_ptr, kk, K, inv_rms, ACT, NORM, HAS_RESIDUAL, EVEN)
-        acc += _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN) * x[None, :]
+        acc += _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN) * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
     out = _sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
     finish_split(out, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, 0, pid_n, pid_k,
                  tl.num_programs(1), HAS_BIAS, SPLIT)
@@ -257,37 +225,25 @@ def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-         config: dict | None = None, pdl: bool = False, norm_weight: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, eps: float = 1e-6):
-    """`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and
-    silu(gate) * up goes in. With `norm_weight`, RMSNorm(x + `residual`) goes in (`add_rmsnorm` fused in) and the
-    result is `(out, new residual)`: x + residual, or x itself without a residual."""
+         config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    "`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up goes in."
     from nanoserve.attention import num_sms, split_counters
     N, K = weight.shape
-    norm = norm_weight is not None
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if act else K):
         raise ValueError(f"gemv: expected x of shape (1, {2 * K if act else K}), got {tuple(x.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1: raise ValueError("gemv: x and weight must be contiguous along K")
-    if norm and (act or tuple(norm_weight.shape) != (K,) or not norm_weight.is_contiguous()):
-        raise ValueError(f"gemv: the norm needs a contiguous weight of shape ({K},) and no activation")
-    if residual is not None and (not norm or tuple(residual.shape) != (1, K) or residual.stride(-1) != 1):
-        raise ValueError(f"gemv: a residual goes with a norm and has shape (1, {K})")
     cfg = gemv_config(N, K, num_sms(x.device), config)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty_like(x) if residual is not None else x
     split = cfg["SPLIT_K"] > 1
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     part = torch.empty(cfg["SPLIT_K"], 1, N, dtype=torch.float32, device=x.device) if split else out   # [S, 1, N]
     counters = split_counters(x.device, n_tiles) if split else out
     gemv_kernel[(n_tiles, cfg["SPLIT_K"])](
-        x, weight, bias if bias is not None else weight, out, part, counters,
-        residual if residual is not None else x, norm_weight if norm else weight, new_residual, eps,
-        N, K, cfg["tiles_per_split"], weight.stride(0), HAS_BIAS=bias is not None, ACT=act, NORM=norm,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_H=triton.next_power_of_2(K) if norm else 1, SPLIT=split,
-        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        x, weight, bias if bias is not None else weight, out, part, counters, N, K, cfg["tiles_per_split"],
+        weight.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
-    return (out, new_residual) if norm else out
+    return out
 
 
 def gemv_ref(x, weight, bias=None, act=False):

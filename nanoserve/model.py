@@ -17,8 +17,7 @@ from torch import nn
 # %% auto #0
 __all__ = ['ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata',
            'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'linear',
-           'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict',
-           'load_model']
+           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #9e6794b1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -242,17 +241,6 @@ def linear(layer: nn.Module, x: torch.Tensor, row_gemv: bool = False, pdl: bool 
     return layer(x)
 
 
-def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                row_gemv: bool = False, pdl: bool = False):
-    """`(layer(norm(x + residual)), x + residual)`: one `gemv` with the norm fused in when the norm's kernel is fused
-    and `gemv` fits; else the norm, then `linear`. Without a residual, the new residual is `x`."""
-    if row_gemv and norm.fused and _gemv_fits(layer, x):
-        from nanoserve.fused import gemv
-        return gemv(x, layer.weight, layer.bias, pdl=pdl, norm_weight=norm.weight, residual=residual, eps=norm.eps)
-    h, residual = (norm(x), x) if residual is None else norm(x, residual)
-    return linear(layer, h, row_gemv, pdl), residual
-
-
 class Qwen2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -265,12 +253,8 @@ class Qwen2Attention(nn.Module):
         self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
+        T = x.shape[0]
         qkv = linear(self.qkv_proj, x, self.row_gemv, self.pdl)                    # [T, (H+2KVH)*D]
-        return self.attend(qkv, cos, sin, k_cache, v_cache, meta, attn_fn)
-
-    def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
-        "Attention and the output projection, from the `qkv` projection's output."
-        T = qkv.shape[0]
         out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale,
                       pdl=self.pdl)                                                 # [T, H, D]
         return linear(self.o_proj, out.view(T, self.q_size), self.row_gemv, self.pdl)   # [T, hidden]
@@ -286,16 +270,13 @@ class Qwen2MLP(nn.Module):
         self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x):
-        return self.down(linear(self.gate_up_proj, x, self.row_gemv and self.fused, self.pdl))
-
-    def down(self, gate_up):
-        "SiLU(gate) x up and the down projection, from the `gate_up` projection's output."
         if self.fused:
             from nanoserve.fused import gemv, silu_mul
+            gate_up = linear(self.gate_up_proj, x, self.row_gemv, self.pdl)
             if self.row_gemv and _gemv_fits(self.down_proj, gate_up):
                 return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=self.pdl)
             return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -308,12 +289,11 @@ class Qwen2DecoderLayer(nn.Module):
         self.mlp = Qwen2MLP(cfg)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, attn_fn):
-        a, m = self.self_attn, self.mlp     # each norm goes with the projection after it (one kernel on one row)
-        qkv, residual = norm_linear(self.input_layernorm, a.qkv_proj, x, residual, a.row_gemv, a.pdl)
-        x = a.attend(qkv, cos, sin, k_cache, v_cache, meta, attn_fn)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, m.gate_up_proj, x, residual,
-                                        m.row_gemv and m.fused, m.pdl)
-        return m.down(gate_up), residual
+        if residual is None: residual, x = x, self.input_layernorm(x)
+        else: x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, k_cache, v_cache, meta, attn_fn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen2ForCausalLM(nn.Module):
