@@ -47,20 +47,9 @@ def with_decode_merge(in_kernel: bool):
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
 
 
-_PREFETCH: dict = {}
-
-def with_prefetch(on: bool):
-    "`gemv`'s L2 prefetch of a program's later weight tiles as tuned (`GEMV_CONFIGS`), or off everywhere (the control)."
-    from nanoserve.fused import GEMV_CONFIGS
-    for k, c in GEMV_CONFIGS.items():
-        _PREFETCH.setdefault(k, c.get("PREFETCH", True))
-        c["PREFETCH"] = _PREFETCH[k] if on else False
-
-
 def patched(cname: str):
     "The module-level controls a configuration's name asks for."
     with_decode_merge(not cname.startswith("reduce kernel"))
-    with_prefetch(not cname.startswith("no prefetch"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -224,11 +213,6 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
             us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c, pdl=pdl)), nbytes))
             row["gemv_us"].append({**c, "us": us})
             if us < best[0]: best = (us, c)
-        c = {**{k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"},
-             "PREFETCH": False}                                        # the winner without its L2 prefetch
-        us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c, pdl=pdl)), nbytes))
-        row["gemv_us"].append({**c, "us": us})
-        if us < best[0]: best = (us, c)
         chosen = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
         GEMV_CONFIGS[(row["N"], row["K"])] = chosen
         row["chosen"], row["chosen_us"] = chosen, best[0]
@@ -353,18 +337,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
     ap.add_argument("--controls", default="row_gemv",
-                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
-                         "prefetch (gemv's L2 prefetch off)")
+                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
-    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "prefetch": ("no prefetch", {})}
+    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
-    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both
-                  if not c.startswith("no prefetch"))
+    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both)
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),

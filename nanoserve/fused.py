@@ -168,17 +168,9 @@ def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    "Ask the memory system to bring the 128-byte lines at `ptrs` into L2: no registers, nothing to wait for."
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                LINE: tl.constexpr = 64):
+                SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -189,11 +181,6 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
     w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
-    if PREFETCH:                                # the program's other weight tiles: into L2 while we wait
-        rows = tl.minimum(offs_n, N - 1)[:, None] * stride_wn
-        lines = tl.arange(0, BLOCK_K // LINE) * LINE                               # one address per 128-byte line
-        for t in range(t_begin + 1, t_end):
-            _prefetch_l2(w_ptr + rows + tl.minimum(t * BLOCK_K + lines, K - 1)[None, :])
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
     acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
     for t in range(t_begin + 1, t_end):
@@ -228,7 +215,7 @@ def split_tiles(K: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
     "Blocks, warps, stages and split of `gemv` for an `[N, K]` weight: the rule, then `GEMV_CONFIGS`, then `config`."
-    cfg = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT_K": None, "PREFETCH": True}
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT_K": None}
     cfg.update(GEMV_CONFIGS.get((N, K), {}))
     cfg.update(config or {})
     num_tiles = triton.cdiv(K, cfg["BLOCK_K"])
@@ -247,7 +234,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: expected x of shape (1, {2 * K if act else K}), got {tuple(x.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1: raise ValueError("gemv: x and weight must be contiguous along K")
     cfg = gemv_config(N, K, num_sms(x.device), config)
-    line = 128 // weight.element_size()                 # weights per 128-byte line
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     split = cfg["SPLIT_K"] > 1
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
@@ -257,7 +243,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, part, counters, N, K, cfg["tiles_per_split"],
         weight.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
-        PREFETCH=pdl and cfg["PREFETCH"] and cfg["tiles_per_split"] > 1, LINE=min(cfg["BLOCK_K"], line),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return out
 
