@@ -47,9 +47,20 @@ def with_decode_merge(in_kernel: bool):
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
 
 
+_FEW_ROWS_GEMM: dict = {}
+
+def with_few_rows_gemm(on: bool):
+    "The quantized layers named in `FEW_ROWS_GEMM` take the tensor-core GEMM at one row (now), or the GEMV (control)."
+    from nanoserve.quant import FEW_ROWS_GEMM
+    if not _FEW_ROWS_GEMM: _FEW_ROWS_GEMM.update(FEW_ROWS_GEMM)
+    FEW_ROWS_GEMM.clear()
+    if on: FEW_ROWS_GEMM.update(_FEW_ROWS_GEMM)
+
+
 def patched(cname: str):
     "The module-level controls a configuration's name asks for."
     with_decode_merge(not cname.startswith("reduce kernel"))
+    with_few_rows_gemm(not cname.endswith("gemv only"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -345,7 +356,8 @@ def main():
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
-    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both)
+    quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
+        ("int8 gemv only", {"quantization": "int8"}),)
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),

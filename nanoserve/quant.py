@@ -26,11 +26,11 @@ from .fused import _sum_last, finish_split, split_tiles
 METHODS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['METHODS', 'GEMV_MAX_T', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8',
-           'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize', 'quant_matmul_ref',
-           'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config',
-           'quant_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
-           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+__all__ = ['METHODS', 'GEMV_MAX_T', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
+           'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize',
+           'quant_matmul_ref', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k',
+           'gemv_config', 'gemm_config', 'quant_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes',
+           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #efbc764f
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +274,14 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int4", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3,
                             "PAIRS": False, "SPLIT_K": 10},
 }
-GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)  # (method, N, K) -> GEMV config, over the rules
+GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)
+# Layers whose product at one row is faster on the tensor-core GEMM path (16-row tiles, the padding rows masked)
+# than on the GEMV, with the GEMM configuration that won: the 7B INT8 gate/up and down projections, from
+# `kernels/diet_h200.py --parts qrow` (git 6fc8a12, figures/data/diet_pdl_tuned_h200.json, "quant_one_row").
+FEW_ROWS_GEMM: dict[tuple[str, int, int], dict] = {       # (method, N, K) -> GEMM config for <= GEMV_MAX_T rows
+    ("int8", 37888, 3584): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    ("int8", 3584, 18944): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+}  # (method, N, K) -> GEMV config, over the rules
 
 
 def _bits(method: str) -> int: return 8 if method == "int8" else 4
@@ -385,11 +392,13 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
 def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                  pdl: bool = False) -> torch.Tensor:
     """x [T, K] @ dequantize(W).T (+ bias) with the Triton kernels: GEMV up to `GEMV_MAX_T` rows (`pdl`: with
-    programmatic dependent launch), else GEMM."""
+    programmatic dependent launch) unless `FEW_ROWS_GEMM` names the layer, else GEMM."""
     if not kernels_support(method, group_size):
         raise ValueError(f"the Triton kernels need group_size % 32 == 0 for int4, got {group_size}")
-    if x.shape[0] <= GEMV_MAX_T: return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl)
-    return quant_gemm(x, qweight, scales, zeros, bias, method, group_size)
+    few = x.shape[0] <= GEMV_MAX_T
+    gemm_cfg = FEW_ROWS_GEMM.get((method, qweight.shape[0], x.shape[-1])) if few else None
+    if few and gemm_cfg is None: return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl)
+    return quant_gemm(x, qweight, scales, zeros, bias, method, group_size, config=gemm_cfg)
 
 # %% ../nbs/10_quant.ipynb #90581afd
 class QuantLinear(nn.Module):
