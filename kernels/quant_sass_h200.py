@@ -3,8 +3,9 @@
 Run on the device machine from the repo root:
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_sass_h200.py --out $OUT
 Compiles `quant_gemv_kernel` for the 7B gate/up projection at one row (the tuned INT8 and INT4 configurations),
-writes each kernel's SASS to quant_gemv_<method>.sass and the count of each opcode in its main loop and in total,
-with the registers and shared memory per program, to quant_sass_h200.json (git sha, GPU, versions, date).
+writes each kernel's SASS (when the image has the disassembler; else empty) and PTX to quant_gemv_<method>_<i>.*,
+and the count of each opcode in both, with the registers and shared memory per program, to quant_sass_h200.json
+(git sha, GPU, versions, date).
 """
 import argparse, json, os, re
 from collections import Counter
@@ -32,6 +33,15 @@ def compiled(fn):
         yield from cache.values()
 
 
+def ptx_counts(ptx: str) -> Counter:
+    "PTX instructions by their full opcode (e.g. `fma.rn.f32`), predicates and labels skipped."
+    ops = Counter()
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:@%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)\s", line)
+        if m and not line.strip().startswith(("//", ".")): ops[m.group(1)] += 1
+    return ops
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -46,13 +56,14 @@ def main():
         quant_gemv(x, *q, None, method, 128)                    # compile with the tuned configuration
         torch.cuda.synchronize()
         for i, kern in enumerate(k for k in compiled(quant_gemv_kernel) if id(k) not in before):
-            sass = kern.asm.get("sass") or ""
+            sass, ptx = kern.asm.get("sass") or "", kern.asm.get("ptx") or ""
             name = f"quant_gemv_{method}_{i}"
             (Path(args.out) / f"{name}.sass").write_text(sass)
-            ops = opcode_counts(sass)
-            res["kernels"][name] = {"opcodes": dict(ops.most_common()), "registers": kern.n_regs,
-                                    "shared_bytes": kern.metadata.shared}
-            print(name, kern.n_regs, "regs", dict(ops.most_common(25)), flush=True)
+            (Path(args.out) / f"{name}.ptx").write_text(ptx)
+            ops, pops = opcode_counts(sass), ptx_counts(ptx)
+            res["kernels"][name] = {"sass_opcodes": dict(ops.most_common()), "ptx_opcodes": dict(pops.most_common()),
+                                    "registers": kern.n_regs, "shared_bytes": kern.metadata.shared}
+            print(name, kern.n_regs, "regs", kern.metadata.shared, "smem", dict(pops.most_common(30)), flush=True)
     (Path(args.out) / "quant_sass_h200.json").write_text(json.dumps(res, indent=1))
 
 
