@@ -47,6 +47,16 @@ def with_decode_merge(in_kernel: bool):
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
 
 
+_WORDS: dict = {}
+
+def with_words(on: bool):
+    "INT4 one-row GEMV configs as overridden (with `WORDS` where the int4words part found it faster), or the tuned table."
+    from nanoserve.quant import GEMV_OVERRIDES, TUNED_GEMV
+    if not _WORDS: _WORDS.update(GEMV_OVERRIDES)
+    for k in [k for k in GEMV_OVERRIDES if k[0] == "int4"]:
+        GEMV_OVERRIDES[k] = _WORDS[k] if on else TUNED_GEMV[k]
+
+
 _FEW_ROWS_GEMM: dict = {}
 
 def with_few_rows_gemm(on: bool):
@@ -61,6 +71,7 @@ def patched(cname: str):
     "The module-level controls a configuration's name asks for."
     with_decode_merge(not cname.startswith("reduce kernel"))
     with_few_rows_gemm(not cname.endswith("gemv only"))
+    with_words(not cname.endswith("no words"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -314,6 +325,52 @@ def quant_one_row(res, budget_s=60.0):
         del w; torch.cuda.empty_cache()
 
 
+def int4_words(res, budget_s=100.0):
+    """The 7B INT4 projections at one row: the tuned GEMV against the words-of-nibbles path (`WORDS`) over blocks,
+    warps, stages and splits; a faster words config goes into GEMV_OVERRIDES (for the parts after it)."""
+    from nanoserve.quant import GEMV_OVERRIDES, gemv_config, quant_gemv, quant_matmul_ref, quantize_int4
+    rows = res.setdefault("int4_words", [])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t0 = time.perf_counter()
+    cands = [{"WORDS": True, "BLOCK_K": 128, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+             for n in (64, 128, 256) for w in (4, 8) for st in (3, 4)]
+    for name, N, K, act, bias in layer_shapes("7B"):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = quantize_int4(w, 128)
+        qb = q[0].numel()
+        Rq = max(1, min(32, -(-(256 << 20) // qb)))
+        qs = [q] + [tuple(t.clone() for t in q) for _ in range(Rq - 1)]
+        ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", 128)
+        tuned = dict(GEMV_OVERRIDES.get(("int4", N, K), {}))
+        row = {"layer": name, "N": N, "K": K, "tuned": tuned, "tuned_us": min(G.graph_bench(
+            lambda i: (lambda: quant_gemv(x, *qs[i], b, "int4", 128)), qb)), "words": []}
+        best = None
+        def trial(cfg):
+            nonlocal best
+            err = ((quant_gemv(x, *q, b, "int4", 128, config=cfg).float() - ref).abs().max() / ref.abs().max()).item()
+            us = min(G.graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], b, "int4", 128, config=cfg)), qb))
+            row["words"].append({**cfg, "us": us, "rel_err": err})
+            if best is None or us < best[0]: best = (us, cfg)
+        for cfg in cands:
+            if time.perf_counter() - t0 > budget_s and best is not None: break
+            trial({**cfg, "SPLIT_K": None})
+        full = {k: v for k, v in gemv_config(1, N, K, "int4", 128, sms, best[1]).items() if k not in ("SUB_K",)}
+        for sk in (1, 2, 4, 8, 16):
+            if sk != full["SPLIT_K"] and time.perf_counter() - t0 < budget_s + 30: trial({**full, "SPLIT_K": sk})
+        chosen = {k: v for k, v in gemv_config(1, N, K, "int4", 128, sms, best[1]).items() if k not in ("SUB_K",)}
+        row["best_words"], row["best_words_us"] = chosen, best[0]
+        row["speedup"] = row["tuned_us"] / best[0]
+        if best[0] < row["tuned_us"]: GEMV_OVERRIDES[("int4", N, K)] = chosen
+        print("int4_words", name, f"tuned {row['tuned_us']:.1f} us, words {best[0]:.1f} us", chosen,
+              f"worst err {max(r['rel_err'] for r in row['words']):.1e}", flush=True)
+        rows.append(row)
+        del qs, w; torch.cuda.empty_cache()
+    res["int4_words_overrides"] = {f"{n}x{k}": c for (m, n, k), c in GEMV_OVERRIDES.items() if m == "int4"}
+
+
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
                              (64, 256)), splits=(1, 2, 4, 8, 16)):
     """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
@@ -357,7 +414,7 @@ def main():
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
-        ("int8 gemv only", {"quantization": "int8"}),)
+        ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
@@ -367,7 +424,8 @@ def main():
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
-             "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res)}
+             "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
+             "int4words": lambda: int4_words(res)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

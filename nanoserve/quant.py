@@ -29,8 +29,8 @@ METHODS = ("int8", "int4")
 __all__ = ['METHODS', 'GEMV_MAX_T', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
            'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize',
            'quant_matmul_ref', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k',
-           'gemv_config', 'gemm_config', 'quant_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes',
-           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'gemv_config', 'gemm_config', 'words_path', 'quant_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear',
+           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #efbc764f
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +164,8 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                       tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
-                      PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+                      PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
+                      WORDS: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -186,6 +187,22 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
             w = (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             tile += w * tl.load(x_ptr + kk).to(tl.float32)[None, :]
         acc = _sum_last(tile, 1)[None, :]                                                          # [1, BLOCK_N]
+    elif WORDS:                               # INT4, one row, EVEN, a tile is one group: 8 nibbles per int32 word
+        NW: tl.constexpr = BLOCK_K // 8
+        j = tl.arange(0, NW)
+        pdl_wait(PDL)
+        total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+        for t in range(t_begin, t_end):
+            words = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + t * NW + j[None, :])     # [BLOCK_N, NW] int32
+            zc = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.float32) + 8388608.0          # 2^23 + z (group t)
+            s = tl.load(scales_ptr + offs_n * stride_sn + t)
+            xk = x_ptr + t * BLOCK_K + 8 * j                                                     # input 8 j + m
+            grp = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+            for m in tl.static_range(8):      # nibble m of word j is input 8 j + m: its own strided slice of x
+                q = ((words >> (4 * m)) & 15) | 0x4B000000
+                grp += (q.to(tl.float32, bitcast=True) - zc[:, None]) * tl.load(xk + m).to(tl.float32)[None, :]
+            total += grp * s[:, None]
+        acc = _sum_last(total, 1)[None, :]                                                         # [1, BLOCK_N]
     else:
         pdl_wait(PDL)
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
@@ -343,6 +360,12 @@ def _args(x, qweight, scales, zeros, bias):
 
 
 
+def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg: dict) -> bool:
+    "Whether the GEMV reads INT4 as words of 8 nibbles: asked (`WORDS`), one row, blocks dividing the shape, a tile = a group."
+    return (bool(cfg.get("WORDS")) and method == "int4" and M == 1 and N % cfg["BLOCK_N"] == 0
+            and cfg["BLOCK_K"] == group_size and K % group_size == 0)
+
+
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     "FMA GEMV path: x [T, K] (T <= GEMV_MAX_T on the GPU) -> [T, N] in x's dtype."
@@ -353,16 +376,19 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     if M == 0: return out
     cfg = gemv_config(M, N, K, method, group_size, num_sms(x.device),
                       {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})})
+    even = N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0
+    words = words_path(M, N, K, method, group_size, cfg)
     per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if bits == 8 else qweight                 # INT8 read as bytes (see _gemv_tile)
+    if words: q = qweight.view(torch.int32)                                 # INT4 as words of 8 nibbles [N, K / 8]
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[(n_tiles, split_k)](
-        x, q, scales, z, b, out, part, counters, M, N, K, per, x.stride(0), qweight.stride(0), scales.stride(0),
+        x, q, scales, z, b, out, part, counters, M, N, K, per, x.stride(0), q.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, GROUP=group_size or 1, HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"],
-        SPLIT=split_k > 1, PAIRS=cfg["PAIRS"], EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        SPLIT=split_k > 1, PAIRS=cfg["PAIRS"], EVEN=even, PDL=pdl, WORDS=words,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return out
 
