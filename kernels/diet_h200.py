@@ -40,11 +40,18 @@ from nanoserve.engine import StepLedger                      # noqa: E402
 from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
 
 
-def with_decode_merge(in_kernel: bool):
-    "The decode kernel's split merge in the kernel (now) or in `decode_reduce_kernel` (the control)."
+ORIGINAL_SPLITS = None
+
+
+def with_decode_merge(in_kernel: bool, kv_early: bool | None = None, splits: int | None = None):
+    """The decode kernel's split merge in the kernel (now) or in `decode_reduce_kernel` (the control); its first
+    KV tile before the PDL wait (None: with PDL) or not; the split rule's count, or a fixed one."""
     import functools
     import nanoserve.attention as A
-    A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
+    global ORIGINAL_SPLITS
+    ORIGINAL_SPLITS = ORIGINAL_SPLITS or A.choose_num_splits
+    A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel, kv_early=kv_early)
+    A.choose_num_splits = ORIGINAL_SPLITS if splits is None else (lambda *a, **k: splits)
 
 
 _WORDS: dict = {}
@@ -69,7 +76,8 @@ def with_few_rows_gemm(on: bool):
 
 def patched(cname: str):
     "The module-level controls a configuration's name asks for."
-    with_decode_merge(not cname.startswith("reduce kernel"))
+    with_decode_merge(not cname.startswith("reduce kernel"), False if cname == "no kv early" else None,
+                      int(cname.split()[1]) if cname.startswith("splits ") else None)
     with_few_rows_gemm(not cname.endswith("gemv only"))
     with_words(not cname.endswith("no words"))
 
@@ -405,13 +413,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
     ap.add_argument("--controls", default="row_gemv",
-                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False)")
+                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
+                         "kv (the decode kernel's first KV tile after the PDL wait), splits4/splits8 (fixed splits)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
-    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False})}
+    named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
+             "kv": ("no kv early", {}), "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}))
@@ -419,6 +429,7 @@ def main():
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),
+             "rate1": lambda: rates(d05, res, "0.5B", [1], both),
              "rate256": lambda: rates(d05, res, "0.5B", [1, 8, 64, 256], both),
              "profile1": lambda: profile(d05, res),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
