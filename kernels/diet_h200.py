@@ -43,14 +43,14 @@ from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E4
 ORIGINAL_SPLITS = None
 
 
-def with_decode_merge(in_kernel: bool, kv_early: bool | None = None, splits: int | None = None):
-    """The decode kernel's split merge in the kernel (now) or in `decode_reduce_kernel` (the control); its first
-    KV tile before the PDL wait (None: with PDL) or not; the split rule's count, or a fixed one."""
+def with_decode_merge(in_kernel: bool, splits: int | None = None):
+    """The decode kernel's split merge in the kernel (now) or in `decode_reduce_kernel` (the control); the split
+    rule's count, or a fixed one."""
     import functools
     import nanoserve.attention as A
     global ORIGINAL_SPLITS
     ORIGINAL_SPLITS = ORIGINAL_SPLITS or A.choose_num_splits
-    A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel, kv_early=kv_early)
+    A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
     A.choose_num_splits = ORIGINAL_SPLITS if splits is None else (lambda *a, **k: splits)
 
 
@@ -76,8 +76,7 @@ def with_few_rows_gemm(on: bool):
 
 def patched(cname: str):
     "The module-level controls a configuration's name asks for."
-    with_decode_merge(not cname.startswith("reduce kernel"), False if cname == "no kv early" else None,
-                      int(cname.split()[1]) if cname.startswith("splits ") else None)
+    with_decode_merge(not cname.startswith("reduce kernel"), int(cname.split()[1]) if cname.startswith("splits ") else None)
     with_few_rows_gemm(not cname.endswith("gemv only"))
     with_words(not cname.endswith("no words"))
 
@@ -414,14 +413,14 @@ def main():
     ap.add_argument("--parts", default="profile")
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
-                         "kv (the decode kernel's first KV tile after the PDL wait), splits4/splits8 (fixed splits)")
+                         "splits4/splits8 (the decode kernel's splits fixed)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "kv": ("no kv early", {}), "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
+             "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}))

@@ -156,8 +156,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
-                            PDL: tl.constexpr = False, KV_EARLY: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
+    pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,17 +172,6 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     n = tl.arange(0, TILE_N)
     heads = kvh * G + g
     gm = g[:, None] < G
-    # `KV_EARLY`: the first tile's cached keys and values are loaded before the wait, all but the newest token's,
-    # which the RoPE kernel just before is writing (lengths and block tables are the step's inputs, copied in
-    # before the graph's first kernel)
-    early = (t_begin * TILE_N + n < ctx - 1)[:, None]                       # [TILE_N, 1]
-    if KV_EARLY:
-        pos = t_begin * TILE_N + n
-        blk = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos < ctx - 1, other=0)
-        off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        k_first = tl.load(k_cache_ptr + off, mask=early, other=0.0)
-        v_first = tl.load(v_cache_ptr + off, mask=early, other=0.0)
-    pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -192,13 +182,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         valid = pos < ctx
         blk = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
         off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        if KV_EARLY:                        # the first tile: only what was not loaded before the wait
-            reuse = early & (t == t_begin)
-            k = tl.where(reuse, k_first, tl.load(k_cache_ptr + off, mask=valid[:, None] & ~reuse, other=0.0))
-            v = tl.where(reuse, v_first, tl.load(v_cache_ptr + off, mask=valid[:, None] & ~reuse, other=0.0))
-        else:
-            k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -286,8 +271,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
-                     num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
-                     kv_early: bool | None = None):
+                     num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce_kernel` if not `merge_in_kernel`."""
     B, H, D = q.shape
@@ -309,8 +293,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, PDL=pdl,
-        KV_EARLY=pdl if kv_early is None else kv_early, num_warps=4,
+        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, PDL=pdl, num_warps=4,
         **launch_options(pdl))
     if num_splits > 1 and not merge:
         decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
