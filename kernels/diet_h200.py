@@ -9,7 +9,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
 1. profile: at batch 1 and 64 in steady decode, for each configuration (the defaults; `row_gemv=False`; in the
    first run, the decode kernel's split merge in a second kernel), one profiled window of 32 steps: each kernel name's count and
    device microseconds per step, the sum of kernel time, the wall time per step, and the step ledger's host phases
-   from a separate un-profiled window (the ledger's own events are left out of the kernel window);
+   from a separate un-profiled window (the ledger's own events are left out of the kernel window); then a second
+   window of 32 steps profiled with device activity only (`profile_run(host_ops=False)`): its busy share;
 2. parity: greedy tokens with the engine's defaults against the plain path (`enforce_eager=True`, fused kernels
    off, synchronous) in fp32 and bf16 (agreement reported), and the decode-attention kernel against its
    reference at split counts 1..16;
@@ -118,6 +119,9 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
         with profile_run(llm.device) as run:
             for _ in range(steps): llm.step()
             torch.cuda.synchronize()
+        with profile_run(llm.device, host_ops=False) as drun:    # device activity only: the host as unprofiled
+            for _ in range(steps): llm.step()
+            torch.cuda.synchronize()
         by_name, count = defaultdict(float), defaultdict(int)
         spans = []
         for e in run.events:
@@ -131,6 +135,8 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
         gaps_small = [g for g in gaps if 0 <= g < 20]        # between kernels of one graph (a step's gaps are larger)
         row = {"batch": b, "ms_per_step": times, "busy_share": busy_share(run), "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
                "profiled_wall_ms_per_step": run.wall_s * 1e3 / steps,
+               "busy_share_device_only": busy_share(drun), "device_only_wall_ms_per_step": drun.wall_s * 1e3 / steps,
+               "device_only_kernels_per_step": drun.num_kernels / steps,
                "kernels_per_step": len(spans) / steps,
                "kernel_us_per_step": sum(by_name.values()) / steps,
                "gap_us_under_20_per_step": sum(gaps_small) / steps, "num_gaps_under_20": len(gaps_small) / steps,
@@ -138,7 +144,9 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
                "by_name": {k: {"count": count[k] / steps, "us": v / steps} for k, v in
                            sorted(by_name.items(), key=lambda kv: -kv[1])},
                "ledger_ms": {k: v * 1e3 if isinstance(v, float) else v for k, v in ledger.items()}}
-        print("profile", cname, b, {k: row[k] for k in ("ms_per_step", "kernels_per_step", "kernel_us_per_step",
+        print("profile", cname, b, {k: row[k] for k in ("ms_per_step", "busy_share", "profiled_wall_ms_per_step",
+                                                 "busy_share_device_only", "device_only_wall_ms_per_step",
+                                                 "device_only_kernels_per_step", "kernels_per_step", "kernel_us_per_step",
                                                  "gap_us_under_20_per_step", "gap_us_over_20_per_step")}, flush=True)
         print("  ledger", {k: round(v, 3) for k, v in row["ledger_ms"].items()}, flush=True)
         print("  top", [(k[:40], round(v["us"], 1)) for k, v in list(row["by_name"].items())[:12]], flush=True)

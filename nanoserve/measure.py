@@ -17,11 +17,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # %% auto #0
-__all__ = ['MEMORY_ACTIVITIES', 'WINDOW_PREFIX', 'resolve_device', 'device_sync', 'warm_gpu', 'matmul_workload', 'clock_ramp',
-           'summarize_ramp', 'event_record', 'is_device_kernel', 'count_device_kernels', 'kernels_per_step',
-           'merge_intervals', 'covered_us', 'Window', 'DeviceIntervals', 'busy_share_of', 'ProfiledRun', 'busy_share',
-           'run_from_events', 'profile_run', 'Timing', 'time_twice', 'model_params', 'model_weight_bytes',
-           'kv_bytes_per_token', 'decode_floor_ms', 'RooflineReport', 'roofline_report']
+__all__ = ['MEMORY_ACTIVITIES', 'WINDOW_PREFIX', 'MARKER_KERNEL', 'resolve_device', 'device_sync', 'warm_gpu', 'matmul_workload',
+           'clock_ramp', 'summarize_ramp', 'event_record', 'is_device_kernel', 'count_device_kernels',
+           'kernels_per_step', 'merge_intervals', 'covered_us', 'Window', 'DeviceIntervals', 'busy_share_of',
+           'ProfiledRun', 'busy_share', 'window_from_markers', 'run_from_events', 'profile_run', 'Timing', 'time_twice',
+           'model_params', 'model_weight_bytes', 'kv_bytes_per_token', 'decode_floor_ms', 'RooflineReport',
+           'roofline_report']
 
 # %% ../nbs/08_measure.ipynb #d1b9807b
 def resolve_device(device=None) -> torch.device:
@@ -201,6 +202,21 @@ def busy_share(run: ProfiledRun, slack_us: float = 20.0) -> float:
     return busy_share_of(run.kernels, run.window, slack_us)
 
 
+MARKER_KERNEL = "spin_kernel"        # the kernel of `torch.cuda._sleep`: the device-side window marks
+
+
+def window_from_markers(records: list, run_id: str, include_memory: bool = False,
+                        marker: str = MARKER_KERNEL) -> tuple[Window, DeviceIntervals]:
+    "The window between the two marker kernels of a device-only profile, and the other kernels."
+    records = [event_record(r) for r in records]
+    kernels = sorted((r for r in records if is_device_kernel(r, include_memory)), key=lambda r: r["start_us"])
+    marks = [r for r in kernels if marker in r["name"]]
+    if len(marks) != 2: raise ValueError(f"expected two {marker!r} marker kernels for run {run_id!r}, found {len(marks)}")
+    window = Window(run_id, marks[0]["end_us"], marks[1]["start_us"])
+    body = tuple((r["start_us"], r["end_us"]) for r in kernels if marker not in r["name"])
+    return window, DeviceIntervals(run_id, body)
+
+
 def run_from_events(events: list, run_id: str, device: str = "cpu", include_memory: bool = False) -> ProfiledRun:
     "A `ProfiledRun` from profiler events holding the host range `WINDOW_PREFIX + run_id`."
     records = [event_record(e) for e in events]
@@ -212,11 +228,16 @@ def run_from_events(events: list, run_id: str, device: str = "cpu", include_memo
 
 
 @contextmanager
-def profile_run(device=None, include_memory: bool = False):
-    "Profile the block: one `ProfiledRun` whose window and kernels come from this run alone."
+def profile_run(device=None, include_memory: bool = False, host_ops: bool = True):
+    """Profile the block: one `ProfiledRun` whose window and kernels come from this run alone. `host_ops=False`
+    (GPU only): record device activity alone, the window between two marker kernels."""
     d = resolve_device(device)
     sync = device_sync(d)
     run = ProfiledRun(uuid.uuid4().hex[:12], str(d))
+    if not host_ops:
+        if d.type != "cuda": raise ValueError("profile_run(host_ops=False) needs a CUDA device: its window is marked by kernels")
+        yield from _device_only_run(d, sync, run, include_memory)
+        return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.type == "cuda" else [])
     prof = profile(activities=activities)
     sync()
@@ -233,6 +254,28 @@ def profile_run(device=None, include_memory: bool = False):
         prof.stop()
     done = run_from_events(list(prof.events()), run.run_id, str(d), include_memory)
     run.window, run.kernels, run.events, run.wall_s = done.window, done.kernels, done.events, wall
+
+
+def _device_only_run(d, sync, run: ProfiledRun, include_memory: bool):
+    "The body of `profile_run(host_ops=False)`: CUDA activity only, the window between two `spin_kernel`s."
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    sync()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+        prof.start()
+    try:
+        with torch.cuda.device(d): torch.cuda._sleep(1000)             # the opening marker (~1 us)
+        t0 = time.perf_counter()
+        yield run
+        sync()
+        wall = time.perf_counter() - t0
+        with torch.cuda.device(d): torch.cuda._sleep(1000)             # the closing marker
+        sync()
+    finally:
+        prof.stop()
+    events = list(prof.events())
+    run.window, run.kernels = window_from_markers(events, run.run_id, include_memory)
+    run.events, run.wall_s = [e for e in events if MARKER_KERNEL not in event_record(e)["name"]], wall
 
 # %% ../nbs/08_measure.ipynb #8665c259
 @dataclass(frozen=True)
