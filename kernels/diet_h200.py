@@ -211,6 +211,17 @@ def layer_shapes(shape):
             ("gate_up_proj", 2 * i, h, False, False), ("down_proj", h, i, True, False)]
 
 
+def layer_operands(N: int, K: int, act: bool, bias: bool):
+    "Seeded random bf16 operands of one projection at one row, and enough weight copies to defeat L2 in graph_bench."
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+    x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
+    nbytes = 2 * N * K
+    R = max(1, min(32, -(-(256 << 20) // nbytes)))
+    return w, b, x, nbytes, [w] + [w.clone() for _ in range(R - 1)]
+
+
 def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
     """One-row projections: cuBLAS (F.linear; down_proj: silu_mul + F.linear) against `gemv` with its rule and
     candidate blocks, each timed by graph_bench; the best config per shape goes into GEMV_CONFIGS (so the later
@@ -226,13 +237,7 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
     layers = []
     for shape in shapes:
         for name, N, K, act, bias in layer_shapes(shape):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-            b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-            x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
-            nbytes = 2 * N * K
-            R = max(1, min(32, -(-(256 << 20) // nbytes)))
-            ws = [w] + [w.clone() for _ in range(R - 1)]
+            w, b, x, nbytes, ws = layer_operands(N, K, act, bias)
             ref = F.linear(silu_mul(x).float() if act else x.float(), w.float(), None if b is None else b.float())
             err = ((gemv(x, w, b, act).float() - ref).abs().max() / ref.abs().max()).item()
             cub = (lambda i: (lambda: F.linear(silu_mul(x), ws[i], b))) if act else (lambda i: (lambda: F.linear(x, ws[i], b)))
@@ -271,13 +276,7 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
     rows = res.setdefault("gemv_pdl", [])
     for shape in shapes:
         for name, N, K, act, bias in layer_shapes(shape):
-            g = torch.Generator(device="cuda").manual_seed(0)
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-            b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-            x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
-            nbytes = 2 * N * K
-            R = max(1, min(32, -(-(256 << 20) // nbytes)))
-            ws = [w] + [w.clone() for _ in range(R - 1)]
+            w, b, x, nbytes, ws = layer_operands(N, K, act, bias)
             same = torch.equal(gemv(x, w, b, act, pdl=True), gemv(x, w, b, act, pdl=False))
             row = {"shape": shape, "layer": name, "N": N, "K": K, "act": act, "identical": same}
             for pdl in (False, True):
