@@ -293,14 +293,14 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int4", 3584, 18944): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
                             "PAIRS": False, "SPLIT_K": 15, "WORDS": True},
 }
-GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)
+GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)  # (method, N, K) -> GEMV config, over the rules
 # Layers whose product at one row is faster on the tensor-core GEMM path (16-row tiles, the padding rows masked)
 # than on the GEMV, with the GEMM configuration that won: the 7B INT8 gate/up and down projections, from
 # `kernels/diet_h200.py --parts qrow` (git 6fc8a12, figures/data/diet_pdl_tuned_h200.json, "quant_one_row").
 FEW_ROWS_GEMM: dict[tuple[str, int, int], dict] = {       # (method, N, K) -> GEMM config for <= GEMV_MAX_T rows
     ("int8", 37888, 3584): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     ("int8", 3584, 18944): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-}  # (method, N, K) -> GEMV config, over the rules
+}
 
 
 def _bits(method: str) -> int: return 8 if method == "int8" else 4
