@@ -446,3 +446,18 @@ def test_request_timings_are_ordered(llm):
         assert o.ttft > 0 and o.ttft == o.first_token_time - o.arrival_time
     one = llm.generate("Hello", SamplingParams(max_tokens=1, temperature=0))[0]
     assert one.arrival_time <= one.first_token_time <= one.finish_time and one.ttft > 0
+
+
+def test_pdl_is_off_on_a_cpu_and_refused_when_asked(ckpt_dir):
+    "Programmatic dependent launch needs a Hopper GPU: off by default on a CPU, and `pdl=True` is a clear error."
+    from nanoserve.attention import launch_options, pdl_supported
+    assert not pdl_supported(torch.device("cpu")) and launch_options(False) == {}
+    assert launch_options(True) == {"launch_pdl": True}
+    llm = LLM(ckpt_dir, dtype="float32", device="cpu", attention_backend="triton", fused_kernels=True)
+    assert llm.pdl is False
+    assert not any(getattr(m, "pdl", False) for m in llm.model.modules())
+    llm.model.set_fused_kernels(True, None, pdl=True)           # the switch reaches every module that has one
+    assert {type(m).__name__: m.pdl for m in llm.model.modules() if hasattr(m, "pdl")} == \
+        {"RMSNorm": True, "Qwen2Attention": True, "Qwen2MLP": True}
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        LLM(ckpt_dir, dtype="float32", device="cpu", pdl=True)
