@@ -17,7 +17,7 @@ from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, TUNED_GEMV, METHODS, QU
                              QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
-                             quantized_linear_bytes, unpack_int4, weight_bytes)
+                             quantized_linear_bytes, unpack_int4, weight_bytes, words_path)
 
 interp = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 
@@ -161,7 +161,9 @@ def test_split_rule_depends_on_shapes_only():
 def test_configs_and_overrides():
     saved = dict(GEMV_OVERRIDES)
     assert saved == TUNED_GEMV                                                   # the package ships the H200 table
-    assert gemv_config(1, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 64         # ... and uses it
+    down = gemv_config(1, 3584, 18944, "int4", 128, 132)                         # ... and uses it: the words path
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"]) == (128, 128, True)
+    assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
     try:
         GEMV_OVERRIDES.clear()                                                   # the rules alone
         down = gemv_config(1, 3584, 18944, "int4", 128, 132)
