@@ -39,9 +39,16 @@ import mixed_graphs_h200 as M                                # noqa: E402  (nano
 from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
 from nanoserve.engine import StepLedger                      # noqa: E402
 from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
+from nanoserve.attention import choose_num_splits as ORIGINAL_SPLITS   # noqa: E402
+from nanoserve.quant import FEW_ROWS_GEMM, GEMV_OVERRIDES            # noqa: E402
 
-
-ORIGINAL_SPLITS = None
+ORIGINAL_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)
+# INT4 one-row configs: the package's (words of nibbles; the int4words part updates them), and the tuned table
+# before the words path (git 5b2a79f, quant_h200.json), the control
+INT4_WORDS = {k: v for k, v in GEMV_OVERRIDES.items() if k[0] == "int4"}
+INT4_BEFORE_WORDS = {("int4", *map(int, k.split()[1].split("x"))): v for k, v in json.loads(
+    (Path(__file__).parent.parent / "figures/data/quant_h200.json").read_text())["gemv_overrides"].items()
+    if k.startswith("int4")}
 
 
 def with_decode_merge(in_kernel: bool, splits: int | None = None):
@@ -49,30 +56,19 @@ def with_decode_merge(in_kernel: bool, splits: int | None = None):
     rule's count, or a fixed one."""
     import functools
     import nanoserve.attention as A
-    global ORIGINAL_SPLITS
-    ORIGINAL_SPLITS = ORIGINAL_SPLITS or A.choose_num_splits
     A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
     A.choose_num_splits = ORIGINAL_SPLITS if splits is None else (lambda *a, **k: splits)
 
 
-_WORDS: dict = {}
-
 def with_words(on: bool):
-    "INT4 one-row GEMV configs as overridden (with `WORDS` where the int4words part found it faster), or the tuned table."
-    from nanoserve.quant import GEMV_OVERRIDES, TUNED_GEMV
-    if not _WORDS: _WORDS.update(GEMV_OVERRIDES)
-    for k in [k for k in GEMV_OVERRIDES if k[0] == "int4"]:
-        GEMV_OVERRIDES[k] = _WORDS[k] if on else TUNED_GEMV[k]
+    "INT4 one-row GEMV configs: words of nibbles (now), or the tuned table from before them (the control)."
+    GEMV_OVERRIDES.update(INT4_WORDS if on else INT4_BEFORE_WORDS)
 
-
-_FEW_ROWS_GEMM: dict = {}
 
 def with_few_rows_gemm(on: bool):
     "The quantized layers named in `FEW_ROWS_GEMM` take the tensor-core GEMM at one row (now), or the GEMV (control)."
-    from nanoserve.quant import FEW_ROWS_GEMM
-    if not _FEW_ROWS_GEMM: _FEW_ROWS_GEMM.update(FEW_ROWS_GEMM)
     FEW_ROWS_GEMM.clear()
-    if on: FEW_ROWS_GEMM.update(_FEW_ROWS_GEMM)
+    if on: FEW_ROWS_GEMM.update(ORIGINAL_FEW_ROWS_GEMM)
 
 
 def patched(cname: str):
@@ -211,15 +207,22 @@ def layer_shapes(shape):
             ("gate_up_proj", 2 * i, h, False, False), ("down_proj", h, i, True, False)]
 
 
-def layer_operands(N: int, K: int, act: bool, bias: bool):
-    "Seeded random bf16 operands of one projection at one row, and enough weight copies to defeat L2 in graph_bench."
+def layer_operands(N: int, K: int, act: bool, bias: bool, copies: bool = True):
+    "Seeded random bf16 operands of one projection at one row, and (`copies`) enough weight copies for graph_bench."
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
     x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
     nbytes = 2 * N * K
-    R = max(1, min(32, -(-(256 << 20) // nbytes)))
-    return w, b, x, nbytes, [w] + [w.clone() for _ in range(R - 1)]
+    return w, b, x, nbytes, [w] + [w.clone() for _ in range(G.copies_for_l2(nbytes) - 1 if copies else 0)]
+
+
+def quantized_copies(w: torch.Tensor, method: str):
+    "`w` quantized (INT4: groups of 128), copies of it for graph_bench, and the bytes of one quantized weight."
+    from nanoserve.quant import quantize_int4, quantize_int8
+    q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+    qb = q[0].numel() * q[0].element_size()
+    return q, G.operand_copies(q, qb), qb
 
 
 def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
@@ -285,13 +288,10 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
             print("gemv_pdl", row, flush=True)
             rows.append(row)
             if shape == "7B":                                  # the quantized GEMV of the same layer
-                from nanoserve.quant import quant_gemv, quantize_int4, quantize_int8
+                from nanoserve.quant import quant_gemv
                 for method in ("int8", "int4"):
-                    q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+                    _, qs, qb = quantized_copies(w, method)
                     xq = x[:, :K].contiguous()
-                    qb = q[0].numel() * q[0].element_size()
-                    Rq = max(1, min(32, -(-(256 << 20) // qb)))
-                    qs = [q] + [tuple(t.clone() if t is not None else None for t in q) for _ in range(Rq - 1)]
                     qrow = {"shape": shape, "layer": name, "method": method}
                     for pdl in (False, True):
                         qrow[f"pdl={pdl}_us"] = G.graph_bench(
@@ -305,21 +305,15 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
 
 def quant_one_row(res, budget_s=60.0):
     "The 7B projections at one row, quantized: the FMA GEMV (tuned) against the tensor-core GEMM path (16-row tiles)."
-    from nanoserve.quant import quant_gemm, quant_gemv, quantize_int4, quantize_int8
+    from nanoserve.quant import quant_gemm, quant_gemv
     rows = res.setdefault("quant_one_row", [])
     t0 = time.perf_counter()
     cands = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
              for n in (32, 64, 128) for k in (64, 128) for w in (4, 8) for st in (3, 4)]
     for name, N, K, act, bias in layer_shapes("7B"):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
         for method in ("int8", "int4"):
-            q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
-            qb = q[0].numel() * q[0].element_size()
-            Rq = max(1, min(32, -(-(256 << 20) // qb)))
-            qs = [q] + [tuple(t.clone() if t is not None else None for t in q) for _ in range(Rq - 1)]
+            q, qs, qb = quantized_copies(w, method)
             ref = quant_gemv(x, *q, b, method, 128).float()
             row = {"layer": name, "method": method, "gemv_us": min(G.graph_bench(
                 lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128)), qb)), "gemm": []}
@@ -346,21 +340,15 @@ def quant_one_row(res, budget_s=60.0):
 def int4_words(res, budget_s=100.0):
     """The 7B INT4 projections at one row: the tuned GEMV against the words-of-nibbles path (`WORDS`) over blocks,
     warps, stages and splits; a faster words config goes into GEMV_OVERRIDES (for the parts after it)."""
-    from nanoserve.quant import GEMV_OVERRIDES, gemv_config, quant_gemv, quant_matmul_ref, quantize_int4
+    from nanoserve.quant import gemv_config, quant_gemv, quant_matmul_ref
     rows = res.setdefault("int4_words", [])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     t0 = time.perf_counter()
     cands = [{"WORDS": True, "BLOCK_K": 128, "BLOCK_N": n, "num_warps": w, "num_stages": st}
              for n in (64, 128, 256) for w in (4, 8) for st in (3, 4)]
     for name, N, K, act, bias in layer_shapes("7B"):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
-        q = quantize_int4(w, 128)
-        qb = q[0].numel()
-        Rq = max(1, min(32, -(-(256 << 20) // qb)))
-        qs = [q] + [tuple(t.clone() for t in q) for _ in range(Rq - 1)]
+        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
+        q, qs, qb = quantized_copies(w, "int4")
         ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", 128)
         tuned = dict(GEMV_OVERRIDES.get(("int4", N, K), {}))
         row = {"layer": name, "N": N, "K": K, "tuned": tuned, "tuned_us": min(G.graph_bench(
@@ -381,7 +369,7 @@ def int4_words(res, budget_s=100.0):
         chosen = {k: v for k, v in gemv_config(1, N, K, "int4", 128, sms, best[1]).items() if k not in ("SUB_K",)}
         row["best_words"], row["best_words_us"] = chosen, best[0]
         row["speedup"] = row["tuned_us"] / best[0]
-        if best[0] < row["tuned_us"]: GEMV_OVERRIDES[("int4", N, K)] = chosen
+        if best[0] < row["tuned_us"]: GEMV_OVERRIDES[("int4", N, K)] = INT4_WORDS[("int4", N, K)] = chosen
         print("int4_words", name, f"tuned {row['tuned_us']:.1f} us, words {best[0]:.1f} us", chosen,
               f"worst err {max(r['rel_err'] for r in row['words']):.1e}", flush=True)
         rows.append(row)
@@ -399,7 +387,7 @@ def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 10
     for B, ctx in cases:
         nblk = ctx // bs
         nbytes = 2 * B * ctx * KVH * D * 2                      # K and V bytes the step reads
-        R = max(1, min(32, -(-(256 << 20) // nbytes)))
+        R = G.copies_for_l2(nbytes)
         caches = [(torch.randn(B * nblk, bs, KVH, D, device="cuda", dtype=torch.bfloat16),
                    torch.randn(B * nblk, bs, KVH, D, device="cuda", dtype=torch.bfloat16)) for _ in range(R)]
         table = torch.randperm(B * nblk, device="cuda").view(B, nblk)                      # [B, nblk]

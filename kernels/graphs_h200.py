@@ -98,11 +98,22 @@ def copy_bandwidth_GBps(nbytes=4 << 30):
     return 2 * nbytes / (t.median_ms / 1e3) / 1e9, t.disagree
 
 
+def copies_for_l2(nbytes: int) -> int:
+    "Operand copies that make graph_bench's calls read >= 256 MB (five times L2): no call finds its weights cached."
+    return max(1, min(32, -(-(256 << 20) // max(nbytes, 1))))
+
+
+def operand_copies(tensors, nbytes: int) -> list[tuple]:
+    "The operands (a tuple; None stays None) and clones of them, `copies_for_l2(nbytes)` in all."
+    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors)
+                               for _ in range(copies_for_l2(nbytes) - 1)]
+
+
 def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10) -> list[float]:
     """Microseconds per call of `make_call(i)()` as a decode step sees it: calls over R copies of the operands
     (R x nbytes >= 256 MB, five times L2, so no call finds its weights cached) captured in one CUDA graph, the
     graph replayed `replays` times per pass; one value per pass (no host launch time, no cache flush kernel)."""
-    R = max(1, min(32, -(-(256 << 20) // max(nbytes, 1))))
+    R = copies_for_l2(nbytes)
     calls = [make_call(i) for i in range(R)]
     for c in calls: c()                               # compile, pick algorithms, make the split counters
     torch.cuda.synchronize()

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from nanoserve.bench import SHAPES, run_meta
 
 from graphs_h200 import fast_random_checkpoint, steady_decode   # kernels/ is on sys.path when run as a script
+from graphs_h200 import operand_copies as copies
 from nanoserve.measure import time_twice, warm_gpu
 import nanoserve.quant as Q
 from nanoserve.quant import (GEMV_OVERRIDES, gemm_config, gemv_config, quant_gemm, quant_gemv, quant_matmul,
@@ -87,12 +88,6 @@ def rel_err(out, ref):
 def bench(fn, rep=20):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
-
-
-def copies(tensors, nbytes):
-    "The operands, and enough copies of them that a CUDA graph of calls over all of them never hits L2 (graph_bench)."
-    R = max(1, min(32, -(-(256 << 20) // max(nbytes, 1))))
-    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(R - 1)]
 
 
 def gbench(make_call, nbytes):
