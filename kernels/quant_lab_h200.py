@@ -1,0 +1,240 @@
+"""Why the one-row quantized GEMV runs far below the copy bandwidth, tested one hypothesis at a time (issue 9).
+
+Run on the device machine from the repo root:
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_lab_h200.py --out $OUT [--parts int4,int8]
+Writes quant_lab_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every part.
+
+The 7B projections at one row, timed by `graphs_h200.graph_bench` (CUDA graphs of back-to-back calls over weight
+copies that defeat L2), each kernel checked against `quant_matmul_ref` first. The package's GEMV as shipped
+(`quant_gemv`, its tuned table) is the control; the lab kernels below change one thing at a time:
+
+- int4: `lab_int4_kernel`, INT4 words of 8 nibbles (one group per iteration) with switches
+  TRICK (a nibble becomes the float 1 + q/16 by one shift and one mask-or: no subtract per weight; the zero
+  point and the 1 come back once per word), PREFETCH (the next group's words are loaded before this group's
+  arithmetic: the loop carries them), LATE (under PDL, the next kernel is let launch after the main loop instead
+  of at the start: early launch parks the next kernel's programs on the SMs while this one still has waves to
+  run), SCALES_T (scales and zeros stored [K / G, N]: one coalesced load per group instead of one per row);
+- int8: `lab_int8_kernel`, the shipped one-row INT8 loop with PREFETCH and LATE, then a block sweep.
+"""
+import argparse, json, os, sys, time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+import graphs_h200 as G                                      # noqa: E402  (graph_bench, operand_copies)
+from diet_h200 import layer_operands, layer_shapes           # noqa: E402
+from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
+from nanoserve.bench import run_meta                         # noqa: E402
+from nanoserve.fused import finish_split, split_tiles        # noqa: E402
+from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, quant_gemv, quant_matmul, quant_matmul_ref,  # noqa: E402
+                             quantize_int4, quantize_int8)
+
+
+@triton.jit
+def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, groups_per_split,
+                    stride_wn, stride_sn, stride_sg, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GROUP: tl.constexpr, SPLIT: tl.constexpr, TRICK: tl.constexpr, PREFETCH: tl.constexpr,
+                    PDL: tl.constexpr, LATE: tl.constexpr):
+    if not LATE: pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NW: tl.constexpr = GROUP // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, NW)
+    g_begin = pid_k * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, K // GROUP)
+    wp = w_ptr + offs_n[:, None] * stride_wn + j[None, :]                     # [BLOCK_N, NW] words of group 0
+    words = tl.load(wp + g_begin * NW)                                        # weights only before the wait
+    pdl_wait(PDL)
+    total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+    for g in range(g_begin, g_end):
+        if PREFETCH:
+            nxt = tl.load(wp + tl.minimum(g + 1, g_end - 1) * NW)            # the next group's words, in flight now
+        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg)
+        z = tl.load(z_ptr + offs_n * stride_sn + g * stride_sg).to(tl.float32)
+        xk = x_ptr + g * GROUP + 8 * j                                        # nibble m of word j is input 8 j + m
+        acc = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+        if TRICK:                                                             # f = 1 + q / 16, exactly
+            xs = tl.full([NW], 0.0, tl.float32)
+            for m in tl.static_range(8):
+                if m <= 4:
+                    f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
+                else:
+                    f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
+                xm = tl.load(xk + m).to(tl.float32)
+                acc += f.to(tl.float32, bitcast=True) * xm[None, :]
+                xs += xm
+            # sum (q - z) x s = s (16 sum f x - (16 + z) sum x)
+            total += acc * (16.0 * s)[:, None] - (s * (16.0 + z))[:, None] * xs[None, :]
+        else:
+            zc = z + 8388608.0                                                # 2^23 + z
+            for m in tl.static_range(8):
+                q = ((words >> (4 * m)) & 15) | 0x4B000000
+                acc += (q.to(tl.float32, bitcast=True) - zc[:, None]) * tl.load(xk + m).to(tl.float32)[None, :]
+            total += acc * s[:, None]
+        if PREFETCH:
+            words = nxt
+        else:
+            words = tl.load(wp + tl.minimum(g + 1, g_end - 1) * NW)
+    if LATE: pdl_launch_next(PDL)
+    acc = tl.sum(total, 1)[None, :]                                           # [1, BLOCK_N]
+    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
+                 tl.num_programs(1), HAS_BIAS, SPLIT)
+
+
+def lab_int4(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
+    "x [1, K] with INT4 words (group = 128); scales / zeros [N, K / G] in either memory layout."
+    N, K = qweight.shape[0], x.shape[1]
+    group = 128
+    per, split = split_tiles(K, group, cfg["SPLIT_K"])
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    n_tiles = N // cfg["BLOCK_N"]
+    counters = split_counters(x.device, n_tiles) if split > 1 else out
+    w = qweight.view(torch.int32)
+    lab_int4_kernel[(n_tiles, split)](
+        x, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
+        scales.stride(0), scales.stride(1), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=group,
+        SPLIT=split > 1, TRICK=cfg.get("TRICK", False), PREFETCH=cfg.get("PREFETCH", False), PDL=pdl,
+        LATE=cfg.get("LATE", False), num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
+    return out
+
+
+@triton.jit
+def lab_int8_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                    PREFETCH: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr):
+    if not LATE: pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, K // BLOCK_K)
+    wp = w_ptr + offs_n[:, None] * stride_wn + k[None, :]
+    u = tl.load(wp + t_begin * BLOCK_K).to(tl.int32)                          # [BLOCK_N, BLOCK_K] bytes
+    pdl_wait(PDL)
+    tile = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for t in range(t_begin, t_end):
+        if PREFETCH:
+            nxt = tl.load(wp + tl.minimum(t + 1, t_end - 1) * BLOCK_K).to(tl.int32)
+        w = (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0        # bits of 2^23 + (q + 128), minus that
+        tile += w * tl.load(x_ptr + t * BLOCK_K + k).to(tl.float32)[None, :]
+        if PREFETCH:
+            u = nxt
+        else:
+            u = tl.load(wp + tl.minimum(t + 1, t_end - 1) * BLOCK_K).to(tl.int32)
+    if LATE: pdl_launch_next(PDL)
+    acc = tl.sum(tile, 1)[None, :] * tl.load(s_ptr + offs_n)[None, :]
+    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
+                 tl.num_programs(1), HAS_BIAS, SPLIT)
+
+
+def lab_int8(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
+    "x [1, K] with INT8 per-channel weights."
+    N, K = qweight.shape[0], x.shape[1]
+    per, split = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    n_tiles = N // cfg["BLOCK_N"]
+    counters = split_counters(x.device, n_tiles) if split > 1 else out
+    w = qweight.view(torch.uint8)
+    lab_int8_kernel[(n_tiles, split)](
+        x, w, scales, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1,
+        PREFETCH=cfg.get("PREFETCH", False), PDL=pdl, LATE=cfg.get("LATE", False), num_warps=cfg["num_warps"],
+        num_stages=1, **launch_options(pdl))
+    return out
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    "The same [N, G] values stored [G, N] (a strided view)."
+    return t.t().contiguous().t()
+
+
+def lab(res, method: str, budget_s: float):
+    """Per 7B projection at one row: the shipped path (as `quant_matmul` picks it), then the lab kernel's switches
+    at the shipped blocks, then a block and split sweep with the best switches (`budget_s` per projection)."""
+    rows = res.setdefault(method, [])
+    run = lab_int4 if method == "int4" else lab_int8
+    for name, N, K, _, bias in layer_shapes("7B"):
+        t0 = time.perf_counter()
+        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
+        q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+        qb = q[0].numel() * q[0].element_size() + q[1].numel() * 4 + (0 if q[2] is None else q[2].numel())
+        qs = G.operand_copies(q, qb)
+        qst = [(a, transposed(s), None if z is None else transposed(z)) for a, s, z in qs] if method == "int4" else None
+        ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
+        shipped = dict(GEMV_OVERRIDES.get((method, N, K), {}))
+        pdl_ship = method == "int8"
+        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
+               "few_rows_gemm": FEW_ROWS_GEMM.get((method, N, K)),
+               "shipped_us": G.graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ship)), qb),
+               "trials": []}
+        row["shipped_GBps"] = qb / min(row["shipped_us"]) / 1e3
+
+        def trial(cfg, pdl):
+            ops = qst if cfg.get("SCALES_T") else qs
+            try:
+                y = run(x, *ops[0], b, cfg, pdl).float()
+                err = ((y - ref).abs().max() / ref.abs().max()).item()
+                us = G.graph_bench(lambda i: (lambda: run(x, *ops[i], b, cfg, pdl)), qb)
+            except Exception as e:                                  # a config that does not compile
+                row["trials"].append({**cfg, "pdl": pdl, "error": repr(e)[:200]}); return None
+            r = {**cfg, "pdl": pdl, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
+            row["trials"].append(r)
+            print(method, name, r, flush=True)
+            return r
+
+        base = {"BLOCK_N": shipped.get("BLOCK_N", 64), "num_warps": shipped.get("num_warps", 4),
+                "SPLIT_K": shipped.get("SPLIT_K", 8)}
+        if method == "int8": base["BLOCK_K"] = shipped.get("BLOCK_K", 256)
+        switches = (["TRICK", "PREFETCH", "SCALES_T", "LATE"] if method == "int4" else ["PREFETCH", "LATE"])
+        combos = [{}] + [{s: True} for s in switches] + [{s: True for s in switches}]
+        if method == "int4": combos += [{"TRICK": True, "PREFETCH": True}, {"TRICK": True, "PREFETCH": True,
+                                                                          "SCALES_T": True}]
+        for c in combos:
+            for pdl in (False, True):
+                if pdl is False and c.get("LATE"): continue
+                trial({**base, **c}, pdl)
+        ok = [r for r in row["trials"] if "us" in r]
+        best = min(ok, key=lambda r: r["best_us"])
+        sw = {s: best.get(s, False) for s in switches}
+        pdl = best["pdl"]
+        bns = (64, 128, 256) if method == "int4" else (16, 32, 64)
+        bks = (None,) if method == "int4" else (128, 256, 512)
+        for bn in bns:
+            for bk in bks:
+                for nw in (4, 8):
+                    for sk in (4, 8, 14) if K < 10000 else (8, 16, 37):
+                        if time.perf_counter() - t0 > budget_s: break
+                        cfg = {"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, **sw}
+                        if bk is not None: cfg["BLOCK_K"] = bk
+                        trial(cfg, pdl)
+        ok = [r for r in row["trials"] if "us" in r]
+        row["best"] = min(ok, key=lambda r: r["best_us"])
+        row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
+        row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+        print(method, name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
+        rows.append(row)
+        del qs, qst, w; torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default="int4,int8")
+    args = ap.parse_args()
+    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/quant_lab_h200.py --parts {args.parts}",
+           "timer": "graph_bench (us per call, two passes)"}
+    out = Path(args.out) / "quant_lab_h200.json"
+    parts = {"int4": lambda: lab(res, "int4", 35.0), "int8": lambda: lab(res, "int8", 20.0)}
+    G.run_parts(parts, args.parts, res, out)
+    out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
