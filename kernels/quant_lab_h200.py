@@ -14,7 +14,11 @@ copies that defeat L2), each kernel checked against `quant_matmul_ref` first. Th
   arithmetic: the loop carries them), LATE (under PDL, the next kernel is let launch after the main loop instead
   of at the start: early launch parks the next kernel's programs on the SMs while this one still has waves to
   run), SCALES_T (scales and zeros stored [K / G, N]: one coalesced load per group instead of one per row);
-- int8: `lab_int8_kernel`, the shipped one-row INT8 loop with PREFETCH and LATE, then a block sweep.
+- int8: `lab_int8_kernel`, the shipped one-row INT8 loop with PREFETCH and LATE, then a block sweep;
+- read: `lab_read_kernel` reads the INT4 weights as int32 tiles with row runs of 64 to 1024 bytes (no arithmetic):
+  the copy speed a tile shape allows;
+- int4g: `lab_int4g_kernel`, GPT groups per load (row runs of GPT x 64 bytes), swept; int8b: INT8 with row runs of
+  512 and 1024 bytes, swept.
 """
 import argparse, json, os, sys, time
 from pathlib import Path
@@ -85,16 +89,72 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
                  tl.num_programs(1), HAS_BIAS, SPLIT)
 
 
+@triton.jit
+def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, chunks_per_split,
+                     stride_wn, stride_sn, stride_sg, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP: tl.constexpr, GPT: tl.constexpr, SPLIT: tl.constexpr, TRICK: tl.constexpr,
+                     PDL: tl.constexpr, LATE: tl.constexpr):
+    "`lab_int4_kernel` with GPT groups per iteration: each row's words of GPT groups (GPT x 64 bytes) in one load."
+    if not LATE: pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NW: tl.constexpr = GROUP // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    gi = tl.arange(0, GPT)
+    j = tl.arange(0, NW)
+    c_begin = pid_k * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, K // (GROUP * GPT))
+    wp = w_ptr + offs_n[:, None, None] * stride_wn + gi[None, :, None] * NW + j[None, None, :]   # [BLOCK_N, GPT, NW]
+    words = tl.load(wp + c_begin * GPT * NW)                                  # weights only before the wait
+    pdl_wait(PDL)
+    total = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
+    for c in range(c_begin, c_end):
+        g = c * GPT + gi                                                      # [GPT] group ids
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg)                  # [BLOCK_N, GPT]
+        z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg).to(tl.float32)
+        xk = x_ptr + g[:, None] * GROUP + 8 * j[None, :]                      # [GPT, NW]: input 8 j + m of group g
+        acc = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
+        if TRICK:
+            xs = tl.full([GPT, NW], 0.0, tl.float32)
+            for m in tl.static_range(8):
+                if m <= 4:
+                    f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
+                else:
+                    f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
+                xm = tl.load(xk + m).to(tl.float32)
+                acc += f.to(tl.float32, bitcast=True) * xm[None, :, :]
+                xs += xm
+            total += acc * (16.0 * s)[:, :, None] - (s * (16.0 + z))[:, :, None] * xs[None, :, :]
+        else:
+            zc = z + 8388608.0
+            for m in tl.static_range(8):
+                q = ((words >> (4 * m)) & 15) | 0x4B000000
+                acc += (q.to(tl.float32, bitcast=True) - zc[:, :, None]) * tl.load(xk + m).to(tl.float32)[None, :, :]
+            total += acc * s[:, :, None]
+        words = tl.load(wp + tl.minimum(c + 1, c_end - 1) * GPT * NW)
+    if LATE: pdl_launch_next(PDL)
+    acc = tl.sum(tl.sum(total, 2), 1)[None, :]                                # [1, BLOCK_N]
+    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
+                 tl.num_programs(1), HAS_BIAS, SPLIT)
+
+
 def lab_int4(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     "x [1, K] with INT4 words (group = 128); scales / zeros [N, K / G] in either memory layout."
     N, K = qweight.shape[0], x.shape[1]
-    group = 128
-    per, split = split_tiles(K, group, cfg["SPLIT_K"])
+    group, gpt = 128, cfg.get("GPT", 1)
+    per, split = split_tiles(K, group * gpt, cfg["SPLIT_K"])
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
     n_tiles = N // cfg["BLOCK_N"]
     counters = split_counters(x.device, n_tiles) if split > 1 else out
     w = qweight.view(torch.int32)
+    if gpt > 1:
+        lab_int4g_kernel[(n_tiles, split)](
+            x, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
+            scales.stride(0), scales.stride(1), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=group,
+            GPT=gpt, SPLIT=split > 1, TRICK=cfg.get("TRICK", False), PDL=pdl, LATE=cfg.get("LATE", False),
+            num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
+        return out
     lab_int4_kernel[(n_tiles, split)](
         x, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
         scales.stride(0), scales.stride(1), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=group,
@@ -223,6 +283,97 @@ def lab(res, method: str, budget_s: float):
         del qs, qst, w; torch.cuda.empty_cache()
 
 
+@triton.jit
+def lab_read_kernel(w_ptr, out_ptr, N, KW, chunks_per_split, stride_wn, BLOCK_N: tl.constexpr, W: tl.constexpr):
+    "Reads [BLOCK_N, W] int32 tiles (runs of 4 W bytes per row) and xors them: the copy speed of a tile shape."
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, W)
+    c_end = tl.minimum((pid_k + 1) * chunks_per_split, KW // W)
+    acc = tl.zeros([BLOCK_N, W], tl.int32)
+    for c in range(pid_k * chunks_per_split, c_end):
+        acc ^= tl.load(w_ptr + offs_n[:, None] * stride_wn + c * W + j[None, :])
+    tl.store(out_ptr + pid_k * N + offs_n, tl.xor_sum(acc, 1))
+
+
+def read_speed(res):
+    "Copy speed of the 7B INT4 gate/up weights (int32 words) read in row runs of 64 to 1024 bytes."
+    rows = res.setdefault("read", [])
+    for name, N, K in (("gate_up_proj", 37888, 3584), ("down_proj", 3584, 18944), ("qkv_proj", 4608, 3584)):
+        w = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
+        nbytes = w.numel() * 4
+        ws = G.operand_copies((w,), nbytes)
+        for W in (16, 32, 64, 128, 256):
+            for bn in (16, 64, 256):
+                if bn * W > 16384: continue
+                for sk in (4, 8, 16):
+                    per, split = split_tiles(K // 8, W, sk)
+                    out = torch.empty(split, N, dtype=torch.int32, device="cuda")
+                    run = lambda i: (lambda: lab_read_kernel[(N // bn, split)](ws[i][0], out, N, K // 8, per, K // 8,
+                                                                             BLOCK_N=bn, W=W, num_warps=4))
+                    us = G.graph_bench(run, nbytes)
+                    r = {"layer": name, "N": N, "K": K, "run_bytes": 4 * W, "BLOCK_N": bn, "SPLIT_K": split,
+                         "us": us, "GBps": nbytes / min(us) / 1e3}
+                    print("read", r, flush=True)
+                    rows.append(r)
+        del ws, w; torch.cuda.empty_cache()
+
+
+def sweep(res, key, method, cands, budget_s):
+    "Per 7B projection: the shipped path, then each candidate (config, pdl) of the lab kernel, within `budget_s`."
+    rows = res.setdefault(key, [])
+    run = lab_int4 if method == "int4" else lab_int8
+    for name, N, K, _, bias in layer_shapes("7B"):
+        t0 = time.perf_counter()
+        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
+        q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+        qb = q[0].numel() * q[0].element_size() + q[1].numel() * 4 + (0 if q[2] is None else q[2].numel())
+        qs = G.operand_copies(q, qb)
+        ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
+        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped_us": G.graph_bench(
+            lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=method == "int8")), qb), "trials": []}
+        for cfg, pdl in cands(N, K):
+            if time.perf_counter() - t0 > budget_s: break
+            if N % cfg["BLOCK_N"] or (method == "int4" and (K // 128) % cfg.get("GPT", 1)): continue
+            try:
+                err = ((run(x, *qs[0], b, cfg, pdl).float() - ref).abs().max() / ref.abs().max()).item()
+                us = G.graph_bench(lambda i: (lambda: run(x, *qs[i], b, cfg, pdl)), qb)
+            except Exception as e:
+                row["trials"].append({**cfg, "pdl": pdl, "error": repr(e)[:200]}); continue
+            r = {**cfg, "pdl": pdl, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
+            row["trials"].append(r)
+            print(key, name, r, flush=True)
+        ok = [r for r in row["trials"] if "us" in r]
+        if ok:
+            row["best"] = min(ok, key=lambda r: r["best_us"])
+            row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
+            row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+            print(key, name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
+        rows.append(row)
+        del qs, w; torch.cuda.empty_cache()
+
+
+def int4g_cands(N, K):
+    "Groups per load x blocks x warps x splits, the nibble trick on, PDL with the late launch (and once without PDL)."
+    sks = (4, 8, 14) if K < 10000 else (8, 16, 37)
+    out = []
+    for gpt in (4, 2):
+        for bn in (32, 64, 128):
+            for nw in (4, 8):
+                for sk in sks:
+                    out.append(({"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "GPT": gpt, "TRICK": True,
+                                 "LATE": True}, True))
+    return out
+
+
+def int8b_cands(N, K):
+    "Longer row runs (BLOCK_K up to 1024 bytes) x blocks x warps x splits, PDL with the late launch."
+    sks = (4, 8, 14) if K < 10000 else (8, 16, 37)
+    return [({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "SPLIT_K": sk, "LATE": True}, True)
+            for bk in (1024, 512) for bn in (8, 16, 32, 64) for nw in (4, 8) for sk in sks if bn * bk <= 32768]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -231,7 +382,9 @@ def main():
     res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/quant_lab_h200.py --parts {args.parts}",
            "timer": "graph_bench (us per call, two passes)"}
     out = Path(args.out) / "quant_lab_h200.json"
-    parts = {"int4": lambda: lab(res, "int4", 35.0), "int8": lambda: lab(res, "int8", 20.0)}
+    parts = {"int4": lambda: lab(res, "int4", 35.0), "int8": lambda: lab(res, "int8", 20.0),
+             "read": lambda: read_speed(res), "int4g": lambda: sweep(res, "int4g", "int4", int4g_cands, 45.0),
+             "int8b": lambda: sweep(res, "int8b", "int8", int8b_cands, 25.0)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 
