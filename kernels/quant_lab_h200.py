@@ -18,7 +18,9 @@ copies that defeat L2), each kernel checked against `quant_matmul_ref` first. Th
 - read: `lab_read_kernel` reads the INT4 weights as int32 tiles with row runs of 64 to 1024 bytes (no arithmetic):
   the copy speed a tile shape allows;
 - int4g: `lab_int4g_kernel`, GPT groups per load (row runs of GPT x 64 bytes), swept; int8b: INT8 with row runs of
-  512 and 1024 bytes, swept.
+  512 and 1024 bytes, swept;
+- abl: the best int4g configuration per projection with each ablation of `lab_int4g_kernel` (ABL): where the
+  INT4 GEMV's time goes, against the read speed of `read`.
 """
 import argparse, json, os, sys, time
 from pathlib import Path
@@ -93,8 +95,11 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
 def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, chunks_per_split,
                      stride_wn, stride_sn, stride_sg, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUP: tl.constexpr, GPT: tl.constexpr, SPLIT: tl.constexpr, TRICK: tl.constexpr,
-                     PDL: tl.constexpr, LATE: tl.constexpr):
-    "`lab_int4_kernel` with GPT groups per iteration: each row's words of GPT groups (GPT x 64 bytes) in one load."
+                     PDL: tl.constexpr, LATE: tl.constexpr, ABL: tl.constexpr = 0):
+    """`lab_int4_kernel` with GPT groups per iteration: each row's words of GPT groups (GPT x 64 bytes) in one load.
+    ABL (ablations, wrong results, with TRICK): 1 the word itself as the float (no integer work per weight), 2 the
+    activations loaded once before the loop (no loads per group), 3 both, 4 integer work only (the floats xor-ed
+    into an integer tile, no multiply-add)."""
     if not LATE: pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -108,6 +113,7 @@ def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     words = tl.load(wp + c_begin * GPT * NW)                                  # weights only before the wait
     pdl_wait(PDL)
     total = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
+    x0 = tl.load(x_ptr + gi[:, None] * GROUP + 8 * j[None, :]).to(tl.float32)
     for c in range(c_begin, c_end):
         g = c * GPT + gi                                                      # [GPT] group ids
         s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg)                  # [BLOCK_N, GPT]
@@ -116,14 +122,25 @@ def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
         acc = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
         if TRICK:
             xs = tl.full([GPT, NW], 0.0, tl.float32)
+            ai = tl.full([BLOCK_N, GPT, NW], 0, tl.int32)
             for m in tl.static_range(8):
-                if m <= 4:
+                if ABL == 1 or ABL == 3:
+                    f = words
+                elif m <= 4:
                     f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
                 else:
                     f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
-                xm = tl.load(xk + m).to(tl.float32)
-                acc += f.to(tl.float32, bitcast=True) * xm[None, :, :]
+                if ABL == 2 or ABL == 3:
+                    xm = x0 + m
+                else:
+                    xm = tl.load(xk + m).to(tl.float32)
+                if ABL == 4:
+                    ai ^= f
+                else:
+                    acc += f.to(tl.float32, bitcast=True) * xm[None, :, :]
                 xs += xm
+            if ABL == 4:
+                acc = ai.to(tl.float32, bitcast=True)
             total += acc * (16.0 * s)[:, :, None] - (s * (16.0 + z))[:, :, None] * xs[None, :, :]
         else:
             zc = z + 8388608.0
@@ -153,6 +170,7 @@ def lab_int4(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
             x, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
             scales.stride(0), scales.stride(1), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=group,
             GPT=gpt, SPLIT=split > 1, TRICK=cfg.get("TRICK", False), PDL=pdl, LATE=cfg.get("LATE", False),
+            ABL=cfg.get("ABL", 0),
             num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
         return out
     lab_int4_kernel[(n_tiles, split)](
@@ -338,6 +356,7 @@ def sweep(res, key, method, cands, budget_s):
             if N % cfg["BLOCK_N"] or (method == "int4" and (K // 128) % cfg.get("GPT", 1)): continue
             try:
                 err = ((run(x, *qs[0], b, cfg, pdl).float() - ref).abs().max() / ref.abs().max()).item()
+                if cfg.get("ABL"): err = None                      # wrong by design
                 us = G.graph_bench(lambda i: (lambda: run(x, *qs[i], b, cfg, pdl)), qb)
             except Exception as e:
                 row["trials"].append({**cfg, "pdl": pdl, "error": repr(e)[:200]}); continue
@@ -348,7 +367,7 @@ def sweep(res, key, method, cands, budget_s):
         if ok:
             row["best"] = min(ok, key=lambda r: r["best_us"])
             row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
-            row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+            row["worst_rel_err"] = max(r["rel_err"] for r in ok if r["rel_err"] is not None)
             print(key, name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
         rows.append(row)
         del qs, w; torch.cuda.empty_cache()
@@ -365,6 +384,14 @@ def int4g_cands(N, K):
                     out.append(({"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "GPT": gpt, "TRICK": True,
                                  "LATE": True}, True))
     return out
+
+
+def abl_cands(N, K):
+    "The best INT4 lab configurations of the int4g sweep (git c5b655b) with each ablation (results wrong by design)."
+    best = {4608: (128, 2, 8), 3584: (64, 4, 14) if K == 3584 else (64, 2, 16), 37888: (64, 2, 4)}[N]
+    bn, gpt, sk = best
+    return [({"BLOCK_N": bn, "num_warps": 4, "SPLIT_K": sk, "GPT": gpt, "TRICK": True, "LATE": True, "ABL": a}, True)
+            for a in (0, 1, 2, 3, 4)]
 
 
 def int8b_cands(N, K):
@@ -384,7 +411,8 @@ def main():
     out = Path(args.out) / "quant_lab_h200.json"
     parts = {"int4": lambda: lab(res, "int4", 35.0), "int8": lambda: lab(res, "int8", 20.0),
              "read": lambda: read_speed(res), "int4g": lambda: sweep(res, "int4g", "int4", int4g_cands, 45.0),
-             "int8b": lambda: sweep(res, "int8b", "int8", int8b_cands, 25.0)}
+             "int8b": lambda: sweep(res, "int8b", "int8", int8b_cands, 25.0),
+             "abl": lambda: sweep(res, "abl", "int4", abl_cands, 60.0)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 
