@@ -43,7 +43,7 @@ from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, quant_gemv, quant_ma
 def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, groups_per_split,
                     stride_wn, stride_sn, stride_sg, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     GROUP: tl.constexpr, SPLIT: tl.constexpr, TRICK: tl.constexpr, PREFETCH: tl.constexpr,
-                    PDL: tl.constexpr, LATE: tl.constexpr):
+                    PDL: tl.constexpr, LATE: tl.constexpr, SZ2D: tl.constexpr = False):
     if not LATE: pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,11 +59,25 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
     for g in range(g_begin, g_end):
         if PREFETCH:
             nxt = tl.load(wp + tl.minimum(g + 1, g_end - 1) * NW)            # the next group's words, in flight now
-        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg)
-        z = tl.load(z_ptr + offs_n * stride_sn + g * stride_sg).to(tl.float32)
         xk = x_ptr + g * GROUP + 8 * j                                        # nibble m of word j is input 8 j + m
         acc = tl.full([BLOCK_N, NW], 0.0, tl.float32)
-        if TRICK:                                                             # f = 1 + q / 16, exactly
+        if TRICK and SZ2D:                    # scales and zeros loaded straight into the words' layout (no convert)
+            sp = offs_n[:, None] * stride_sn + g * stride_sg + 0 * j[None, :]                     # [BLOCK_N, NW]
+            s2 = tl.load(s_ptr + sp)
+            z2 = tl.load(z_ptr + sp).to(tl.float32)
+            xs = tl.full([NW], 0.0, tl.float32)
+            for m in tl.static_range(8):
+                if m <= 4:
+                    f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
+                else:
+                    f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
+                xm = tl.load(xk + m).to(tl.float32)
+                acc += f.to(tl.float32, bitcast=True) * xm[None, :]
+                xs += xm
+            total += acc * (16.0 * s2) - (s2 * (16.0 + z2)) * xs[None, :]
+        elif TRICK:                                                           # f = 1 + q / 16, exactly
+            s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg)
+            z = tl.load(z_ptr + offs_n * stride_sn + g * stride_sg).to(tl.float32)
             xs = tl.full([NW], 0.0, tl.float32)
             for m in tl.static_range(8):
                 if m <= 4:
@@ -76,7 +90,8 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
             # sum (q - z) x s = s (16 sum f x - (16 + z) sum x)
             total += acc * (16.0 * s)[:, None] - (s * (16.0 + z))[:, None] * xs[None, :]
         else:
-            zc = z + 8388608.0                                                # 2^23 + z
+            s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg)
+            zc = tl.load(z_ptr + offs_n * stride_sn + g * stride_sg).to(tl.float32) + 8388608.0   # 2^23 + z
             for m in tl.static_range(8):
                 q = ((words >> (4 * m)) & 15) | 0x4B000000
                 acc += (q.to(tl.float32, bitcast=True) - zc[:, None]) * tl.load(xk + m).to(tl.float32)[None, :]
@@ -95,7 +110,7 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
 def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, chunks_per_split,
                      stride_wn, stride_sn, stride_sg, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUP: tl.constexpr, GPT: tl.constexpr, SPLIT: tl.constexpr, TRICK: tl.constexpr,
-                     PDL: tl.constexpr, LATE: tl.constexpr, ABL: tl.constexpr = 0):
+                     PDL: tl.constexpr, LATE: tl.constexpr, ABL: tl.constexpr = 0, SZ2D: tl.constexpr = False):
     """`lab_int4_kernel` with GPT groups per iteration: each row's words of GPT groups (GPT x 64 bytes) in one load.
     ABL (ablations, wrong results, with TRICK): 1 the word itself as the float (no integer work per weight), 2 the
     activations loaded once before the loop (no loads per group), 3 both, 4 integer work only (the floats xor-ed
@@ -116,8 +131,13 @@ def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     x0 = tl.load(x_ptr + gi[:, None] * GROUP + 8 * j[None, :]).to(tl.float32)
     for c in range(c_begin, c_end):
         g = c * GPT + gi                                                      # [GPT] group ids
-        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg)                  # [BLOCK_N, GPT]
-        z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg).to(tl.float32)
+        if SZ2D:                              # straight into the words' layout: [BLOCK_N, GPT, 1] -> [BLOCK_N, GPT]
+            sp = offs_n[:, None, None] * stride_sn + g[None, :, None] * stride_sg + 0 * j[None, None, :]
+            s = tl.max(tl.load(s_ptr + sp), 2)
+            z = tl.max(tl.load(z_ptr + sp).to(tl.float32), 2)
+        else:
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg)                  # [BLOCK_N, GPT]
+            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg).to(tl.float32)
         xk = x_ptr + g[:, None] * GROUP + 8 * j[None, :]                      # [GPT, NW]: input 8 j + m of group g
         acc = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
         if TRICK:
@@ -170,14 +190,15 @@ def lab_int4(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
             x, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
             scales.stride(0), scales.stride(1), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=group,
             GPT=gpt, SPLIT=split > 1, TRICK=cfg.get("TRICK", False), PDL=pdl, LATE=cfg.get("LATE", False),
-            ABL=cfg.get("ABL", 0),
+            ABL=cfg.get("ABL", 0), SZ2D=cfg.get("SZ2D", False),
             num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
         return out
     lab_int4_kernel[(n_tiles, split)](
         x, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
         scales.stride(0), scales.stride(1), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=group,
         SPLIT=split > 1, TRICK=cfg.get("TRICK", False), PREFETCH=cfg.get("PREFETCH", False), PDL=pdl,
-        LATE=cfg.get("LATE", False), num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
+        LATE=cfg.get("LATE", False), SZ2D=cfg.get("SZ2D", False), num_warps=cfg["num_warps"], num_stages=1,
+        **launch_options(pdl))
     return out
 
 
@@ -394,6 +415,13 @@ def abl_cands(N, K):
             for a in (0, 1, 2, 3, 4)]
 
 
+def sz_cands(N, K):
+    "Scales and zeros loaded into the words' layout (SZ2D) or broadcast (the control), one and several groups a load."
+    sks = (4, 8, 14) if K < 10000 else (8, 16, 37)
+    return [({"BLOCK_N": bn, "num_warps": 4, "SPLIT_K": sk, "GPT": gpt, "TRICK": True, "LATE": True, "SZ2D": sz}, True)
+            for gpt in (1, 2) for bn in (64, 128, 256) for sk in sks for sz in (True, False)]
+
+
 def int8b_cands(N, K):
     "Longer row runs (BLOCK_K up to 1024 bytes) x blocks x warps x splits, PDL with the late launch."
     sks = (4, 8, 14) if K < 10000 else (8, 16, 37)
@@ -412,7 +440,8 @@ def main():
     parts = {"int4": lambda: lab(res, "int4", 35.0), "int8": lambda: lab(res, "int8", 20.0),
              "read": lambda: read_speed(res), "int4g": lambda: sweep(res, "int4g", "int4", int4g_cands, 45.0),
              "int8b": lambda: sweep(res, "int8b", "int8", int8b_cands, 25.0),
-             "abl": lambda: sweep(res, "abl", "int4", abl_cands, 60.0)}
+             "abl": lambda: sweep(res, "abl", "int4", abl_cands, 60.0),
+             "sz": lambda: sweep(res, "sz", "int4", sz_cands, 60.0)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 
