@@ -25,7 +25,11 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    dependent launch), 0.5B at batch 1, 8, 64 and 7B at batch 1; rate7bq: the 7B at batch 1 quantized, INT8 and
    INT4, with the defaults and the control;
 7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
-   programmatic dependent launch.
+   programmatic dependent launch;
+8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM; int4words: the 7B INT4
+   projections' words path (1, 2 or 4 groups a K tile) and the INT8 QKV and output projections, swept over blocks
+   and splits against the package's table, the faster configs kept for the parts after it (so `int4words,rate7bq`
+   times the step with them).
 """
 import argparse, json, os, sys, time
 from collections import defaultdict
@@ -338,43 +342,53 @@ def quant_one_row(res, budget_s=60.0):
 
 
 def int4_words(res, budget_s=100.0):
-    """The 7B INT4 projections at one row: the tuned GEMV against the words-of-nibbles path (`WORDS`) over blocks,
-    warps, stages and splits; a faster words config goes into GEMV_OVERRIDES (for the parts after it)."""
+    """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
+    launch, 1, 2 or 4 groups a K tile) over tile blocks and splits, against the table as it was; and the INT8
+    QKV and output projections over blocks, warps and splits against theirs. A faster config goes into
+    GEMV_OVERRIDES (for the parts after it) and is recorded."""
     from nanoserve.quant import gemv_config, quant_gemv, quant_matmul_ref
     rows = res.setdefault("int4_words", [])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t0 = time.perf_counter()
-    cands = [{"WORDS": True, "BLOCK_K": 128, "BLOCK_N": n, "num_warps": w, "num_stages": st}
-             for n in (64, 128, 256) for w in (4, 8) for st in (3, 4)]
-    for name, N, K, act, bias in layer_shapes("7B"):
-        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
-        q, qs, qb = quantized_copies(w, "int4")
-        ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", 128)
-        tuned = dict(GEMV_OVERRIDES.get(("int4", N, K), {}))
-        row = {"layer": name, "N": N, "K": K, "tuned": tuned, "tuned_us": min(G.graph_bench(
-            lambda i: (lambda: quant_gemv(x, *qs[i], b, "int4", 128)), qb)), "words": []}
-        best = None
-        def trial(cfg):
-            nonlocal best
-            err = ((quant_gemv(x, *q, b, "int4", 128, config=cfg).float() - ref).abs().max() / ref.abs().max()).item()
-            us = min(G.graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], b, "int4", 128, config=cfg)), qb))
-            row["words"].append({**cfg, "us": us, "rel_err": err})
-            if best is None or us < best[0]: best = (us, cfg)
-        for cfg in cands:
-            if time.perf_counter() - t0 > budget_s and best is not None: break
-            trial({**cfg, "SPLIT_K": None})
-        full = {k: v for k, v in gemv_config(1, N, K, "int4", 128, sms, best[1]).items() if k not in ("SUB_K",)}
-        for sk in (1, 2, 4, 8, 16):
-            if sk != full["SPLIT_K"] and time.perf_counter() - t0 < budget_s + 30: trial({**full, "SPLIT_K": sk})
-        chosen = {k: v for k, v in gemv_config(1, N, K, "int4", 128, sms, best[1]).items() if k not in ("SUB_K",)}
-        row["best_words"], row["best_words_us"] = chosen, best[0]
-        row["speedup"] = row["tuned_us"] / best[0]
-        if best[0] < row["tuned_us"]: GEMV_OVERRIDES[("int4", N, K)] = INT4_WORDS[("int4", N, K)] = chosen
-        print("int4_words", name, f"tuned {row['tuned_us']:.1f} us, words {best[0]:.1f} us", chosen,
-              f"worst err {max(r['rel_err'] for r in row['words']):.1e}", flush=True)
-        rows.append(row)
-        del qs, w; torch.cuda.empty_cache()
-    res["int4_words_overrides"] = {f"{n}x{k}": c for (m, n, k), c in GEMV_OVERRIDES.items() if m == "int4"}
+    int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False}
+            for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8) if n * bk <= 65536]
+    int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 3, "PAIRS": True}
+            for bk in (128, 256) for n in (16, 32, 64) for w in (4, 8)]
+    for method in ("int4", "int8"):
+        for name, N, K, act, bias in layer_shapes("7B"):
+            if method == "int8" and name not in ("qkv_proj", "o_proj"): continue
+            t0 = time.perf_counter()
+            w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
+            q, qs, qb = quantized_copies(w, method)
+            ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
+            tuned = dict(GEMV_OVERRIDES.get((method, N, K), {}))
+            pdl = True
+            row = {"method": method, "layer": name, "N": N, "K": K, "tuned": tuned, "tuned_us": min(G.graph_bench(
+                lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128, pdl=pdl)), qb)), "words": []}
+            best = None
+            def trial(cfg):
+                nonlocal best
+                err = ((quant_gemv(x, *q, b, method, 128, config=cfg, pdl=pdl).float() - ref).abs().max()
+                       / ref.abs().max()).item()
+                us = min(G.graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128, config=cfg, pdl=pdl)), qb))
+                row["words"].append({**cfg, "us": us, "rel_err": err})
+                if best is None or us < best[0]: best = (us, cfg)
+            for cfg in (int4 if method == "int4" else int8):
+                if time.perf_counter() - t0 > budget_s and best is not None: break
+                trial({**cfg, "SPLIT_K": None})
+            full = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
+            for sk in (2, 4, 8, 14, 16, 32):
+                if sk != full["SPLIT_K"] and time.perf_counter() - t0 < budget_s + 30: trial({**full, "SPLIT_K": sk})
+            chosen = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
+            row["best_words"], row["best_words_us"] = chosen, best[0]
+            row["speedup"] = row["tuned_us"] / best[0]
+            if best[0] < row["tuned_us"]:
+                GEMV_OVERRIDES[(method, N, K)] = chosen
+                if method == "int4": INT4_WORDS[(method, N, K)] = chosen
+            print("int4_words", method, name, f"tuned {row['tuned_us']:.1f} us, best {best[0]:.1f} us", chosen,
+                  f"worst err {max(r['rel_err'] for r in row['words']):.1e}", flush=True)
+            rows.append(row)
+            del qs, w; torch.cuda.empty_cache()
+    res["int4_words_overrides"] = {f"{m} {n}x{k}": c for (m, n, k), c in GEMV_OVERRIDES.items()}
 
 
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
@@ -434,7 +448,7 @@ def main():
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
-             "int4words": lambda: int4_words(res)}
+             "int4words": lambda: int4_words(res, 45.0)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

@@ -166,7 +166,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False):
-    pdl_launch_next(PDL)
+    if not WORDS: pdl_launch_next(PDL)        # the words path lets the next kernel launch after its loop (below)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                            # every row in one program
@@ -187,22 +187,35 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
             w = (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             tile += w * tl.load(x_ptr + kk).to(tl.float32)[None, :]
         acc = _sum_last(tile, 1)[None, :]                                                          # [1, BLOCK_N]
-    elif WORDS:                               # INT4, one row, EVEN, a tile is one group: 8 nibbles per int32 word
-        NW: tl.constexpr = BLOCK_K // 8
+    elif WORDS:                               # INT4, one row, EVEN: a K tile is GPT groups of int32 words
+        NW: tl.constexpr = GROUP // 8                                        # words (8 nibbles each) per group row
+        GPT: tl.constexpr = BLOCK_K // GROUP
+        gi = tl.arange(0, GPT)
         j = tl.arange(0, NW)
+        wp = qweight_ptr + offs_n[:, None, None] * stride_qn + gi[None, :, None] * NW + j[None, None, :]  # [BLOCK_N, GPT, NW]
+        words = tl.load(wp + t_begin * GPT * NW)                              # the first tile: before the wait
         pdl_wait(PDL)
-        total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+        total = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
         for t in range(t_begin, t_end):
-            words = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + t * NW + j[None, :])     # [BLOCK_N, NW] int32
-            zc = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.float32) + 8388608.0          # 2^23 + z (group t)
-            s = tl.load(scales_ptr + offs_n * stride_sn + t)
-            xk = x_ptr + t * BLOCK_K + 8 * j                                                     # input 8 j + m
-            grp = tl.full([BLOCK_N, NW], 0.0, tl.float32)
-            for m in tl.static_range(8):      # nibble m of word j is input 8 j + m: its own strided slice of x
-                q = ((words >> (4 * m)) & 15) | 0x4B000000
-                grp += (q.to(tl.float32, bitcast=True) - zc[:, None]) * tl.load(xk + m).to(tl.float32)[None, :]
-            total += grp * s[:, None]
-        acc = _sum_last(total, 1)[None, :]                                                         # [1, BLOCK_N]
+            g = t * GPT + gi                                                  # [GPT] group ids
+            s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + g[None, :])                   # [BLOCK_N, GPT]
+            z = tl.load(zeros_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
+            xk = x_ptr + g[:, None] * GROUP + 8 * j[None, :]                  # [GPT, NW]: nibble m of word j is input 8 j + m
+            grp = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
+            xsum = tl.full([GPT, NW], 0.0, tl.float32)
+            for m in tl.static_range(8):      # nibble m into mantissa bits 19-22 of 1.0: the float 1 + q / 16
+                if m <= 4:
+                    f = ((words << (19 - 4 * m)) & 0x780000) | 0x3F800000
+                else:
+                    f = ((words >> (4 * m - 19)) & 0x780000) | 0x3F800000
+                xm = tl.load(xk + m).to(tl.float32)
+                grp += f.to(tl.float32, bitcast=True) * xm[None, :, :]
+                xsum += xm
+            # s sum (q - z) x = s (16 sum (1 + q / 16) x - (16 + z) sum x)
+            total += grp * (16.0 * s)[:, :, None] - (s * (16.0 + z))[:, :, None] * xsum[None, :, :]
+            words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * GPT * NW)     # the next tile (the last one again)
+        pdl_launch_next(PDL)                  # late: launched early, the next kernel's programs would hold SM slots
+        acc = _sum_last(_sum_last(total, 2), 1)[None, :]                                           # [1, BLOCK_N]
     else:
         pdl_wait(PDL)
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
@@ -363,9 +376,13 @@ def _args(x, qweight, scales, zeros, bias):
 
 
 def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg: dict) -> bool:
-    "Whether the GEMV reads INT4 as words of 8 nibbles: asked (`WORDS`), one row, blocks dividing the shape, a tile = a group."
-    return (bool(cfg.get("WORDS")) and method == "int4" and M == 1 and N % cfg["BLOCK_N"] == 0
-            and cfg["BLOCK_K"] == group_size and K % group_size == 0)
+    """Whether the GEMV reads INT4 as words of 8 nibbles: asked (`WORDS`), one row, blocks dividing the shape, a
+    power-of-two group, a K tile of a power-of-two number of groups."""
+    if not (cfg.get("WORDS") and method == "int4" and M == 1 and group_size): return False
+    gpt, rem = divmod(cfg["BLOCK_K"], group_size)
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0
+    return (N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0 and rem == 0 and pow2(gpt) and pow2(group_size)
+            and group_size >= 8)
 
 
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
@@ -384,6 +401,7 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if bits == 8 else qweight                 # INT8 read as bytes (see _gemv_tile)
     if words: q = qweight.view(torch.int32)                                 # INT4 as words of 8 nibbles [N, K / 8]
+    pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[(n_tiles, split_k)](
@@ -465,8 +483,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                                 # [T, K]
         args = (self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size)
-        pdl = self.pdl and self.method == "int8"   # INT4's GEMV measured slower with it (its section below)
-        out = quant_matmul(x2, *args, pdl=pdl) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
+        out = quant_matmul(x2, *args, pdl=self.pdl) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
         return out.reshape(*lead, self.out_features)                         # [..., N]
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
