@@ -10,7 +10,9 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    first run, the decode kernel's split merge in a second kernel), one profiled window of 32 steps: each kernel name's count and
    device microseconds per step, the sum of kernel time, the wall time per step, and the step ledger's host phases
    from a separate un-profiled window (the ledger's own events are left out of the kernel window); then a second
-   window of 32 steps profiled with device activity only (`profile_run(host_ops=False)`): its busy share;
+   window of 32 steps profiled with device activity only (`profile_run(host_ops=False)`): its busy share; and,
+   with no profiler, in each of the two timed passes, the share of the window the steps' device spans cover
+   (`runner.step_spans`, `span_busy_share`);
 2. parity: greedy tokens with the engine's defaults against the plain path (`enforce_eager=True`, fused kernels
    off, synchronous) in fp32 and bf16 (agreement reported), and the decode-attention kernel against its
    reference at split counts 1..16;
@@ -101,17 +103,21 @@ def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(
 
 
 def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
-    from nanoserve.measure import busy_share, event_record, is_device_kernel, profile_run, warm_gpu
+    from nanoserve.measure import busy_share, event_record, is_device_kernel, profile_run, span_busy_share, warm_gpu
     llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), **kw)
     for b in batches:
         G.steady_decode(llm, b)
         warm_gpu(1.0, llm.device)
         for _ in range(20): llm.step()
-        times = []
-        for _ in range(2):                                   # the step rate, twice, un-profiled, no ledger
+        times, span_share, span_ms = [], [], []
+        for _ in range(2):            # the step rate, twice, un-profiled, no ledger; each step's device span by events
+            llm.runner.step_spans = []
             torch.cuda.synchronize(); t0 = time.perf_counter()
             for _ in range(rate_steps): llm.step()
             torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / rate_steps * 1e3)
+            sp, llm.runner.step_spans = llm.runner.step_spans, None
+            span_share.append(span_busy_share(sp))
+            span_ms.append(sum(a.elapsed_time(e) for a, e in sp) / len(sp))
         llm.ledger = StepLedger()                            # host phases (the ledger adds two events per step)
         for _ in range(rate_steps): llm.step()
         ledger = llm.ledger.summary()
@@ -139,7 +145,8 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
         spans.sort()
         gaps = [b0 - a1 for (_, a1), (b0, _) in zip(spans, spans[1:])]
         gaps_small = [g for g in gaps if 0 <= g < 20]        # between kernels of one graph (a step's gaps are larger)
-        row = {"batch": b, "ms_per_step": times, "busy_share": busy_share(run), "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
+        row = {"batch": b, "ms_per_step": times, "span_busy_share": span_share, "span_ms_per_step": span_ms,
+               "busy_share": busy_share(run), "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
                "profiled_wall_ms_per_step": run.wall_s * 1e3 / steps,
                **device_only,
                "kernels_per_step": len(spans) / steps,
@@ -149,7 +156,8 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
                "by_name": {k: {"count": count[k] / steps, "us": v / steps} for k, v in
                            sorted(by_name.items(), key=lambda kv: -kv[1])},
                "ledger_ms": {k: v * 1e3 if isinstance(v, float) else v for k, v in ledger.items()}}
-        print("profile", cname, b, device_only, {k: row[k] for k in ("ms_per_step", "busy_share", "profiled_wall_ms_per_step",
+        print("profile", cname, b, device_only, {k: row[k] for k in ("ms_per_step", "span_busy_share", "span_ms_per_step",
+                                                 "busy_share", "profiled_wall_ms_per_step",
                                                  "kernels_per_step", "kernel_us_per_step",
                                                  "gap_us_under_20_per_step", "gap_us_over_20_per_step")}, flush=True)
         print("  ledger", {k: round(v, 3) for k, v in row["ledger_ms"].items()}, flush=True)

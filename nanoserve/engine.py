@@ -178,6 +178,7 @@ class ModelRunner:
         self.step_sender = None            # tensor parallel: sends each `StepInputs` to the other ranks
         self._last_sampled = None          # the last launched step's sampled tokens, on the device
         self._host_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]  # pinned ring
+        self.step_spans: list | None = None  # a list: each GPU step appends its (start, end) timing events
 
     def enable_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True,
                       progress: bool = False, token_sizes: list[int] | None = None) -> None:
@@ -342,9 +343,10 @@ class ModelRunner:
             feed = (dev_i[base:base + f], self._last_sampled.index_select(0, dev_i[base + f:base + 2 * f]))
         cuda = self.device.type == "cuda"
         events = None
-        if ledger_row is not None and cuda:
+        if (ledger_row is not None or self.step_spans is not None) and cuda:   # the step's device span
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
+            if self.step_spans is not None: self.step_spans.append(events)
         t0 = time.perf_counter()
         if x.bucket is not None:                 # every row of a decode-only step is sampled, in order
             tokens = sample(self.graphs.run(dev_i[:k], x.num_seqs, x.bucket, x.width, feed=feed), smeta)     # [S]

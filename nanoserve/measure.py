@@ -20,9 +20,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 __all__ = ['MEMORY_ACTIVITIES', 'WINDOW_PREFIX', 'MARKER_KERNEL', 'resolve_device', 'device_sync', 'warm_gpu', 'matmul_workload',
            'clock_ramp', 'summarize_ramp', 'event_record', 'is_device_kernel', 'count_device_kernels',
            'kernels_per_step', 'merge_intervals', 'covered_us', 'Window', 'DeviceIntervals', 'busy_share_of',
-           'ProfiledRun', 'busy_share', 'window_from_markers', 'run_from_events', 'profile_run', 'Timing', 'time_twice',
-           'model_params', 'model_weight_bytes', 'kv_bytes_per_token', 'decode_floor_ms', 'RooflineReport',
-           'roofline_report']
+           'ProfiledRun', 'busy_share', 'window_from_markers', 'run_from_events', 'profile_run', 'span_busy_share',
+           'Timing', 'time_twice', 'model_params', 'model_weight_bytes', 'kv_bytes_per_token', 'decode_floor_ms',
+           'RooflineReport', 'roofline_report']
 
 # %% ../nbs/08_measure.ipynb #b88c555e
 def resolve_device(device=None) -> torch.device:
@@ -277,6 +277,19 @@ def _device_only_run(d, sync, run: ProfiledRun, include_memory: bool):
     events = list(prof.events())
     run.window, run.kernels = window_from_markers(events, run.run_id, include_memory)
     run.events, run.wall_s = [e for e in events if MARKER_KERNEL not in event_record(e)["name"]], wall
+
+# %% ../nbs/08_measure.ipynb #8290ee08
+def span_busy_share(spans) -> float:
+    """Share of the window from the first start to the last end covered by `spans`: (start, end) timing events of
+    one device (anything with `elapsed_time(other)` in ms, as `torch.cuda.Event`)."""
+    spans = list(spans)
+    if not spans: raise ValueError("no spans: nothing was recorded")
+    origin = spans[0][0]
+    iv = [(origin.elapsed_time(s) * 1e3, origin.elapsed_time(e) * 1e3) for s, e in spans]   # us after the first start
+    if any(e < s for s, e in iv): raise ValueError("a span ends before it starts: events of different devices?")
+    lo, hi = min(s for s, _ in iv), max(e for _, e in iv)
+    if hi <= lo: raise ValueError("an empty window")
+    return covered_us(iv) / (hi - lo)
 
 # %% ../nbs/08_measure.ipynb #1d341705
 @dataclass(frozen=True)

@@ -284,27 +284,27 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 # %% ../nbs/10_quant.ipynb #1e00c0e8
 GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the tensor-core GEMM path
 # The best GEMV configuration per 7B layer shape at one row: INT8 from the H200 sweep of `kernels/quant_h200.py`
-# (git 5b2a79f, figures/data/quant_h200.json, "gemv_overrides"), INT4 from a later one (below). Any other shape
-# uses the rules.
+# (git 5b2a79f, figures/data/quant_h200.json, "gemv_overrides") but the output projection, and INT4 (words of 8
+# nibbles, `WORDS`) from `kernels/diet_h200.py --parts int4words` (git 6273a67,
+# figures/data/quant_words2_h200.json, "int4_words_overrides"), which re-swept the INT8 QKV and output
+# projections too. Any other shape uses the rules.
 TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
                            "PAIRS": True, "SPLIT_K": 7},
-    ("int8", 3584, 3584): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
-                           "PAIRS": True, "SPLIT_K": 3},
+    ("int8", 3584, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
+                           "PAIRS": True, "SPLIT_K": 8},
     ("int8", 37888, 3584): {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3,
                             "PAIRS": True, "SPLIT_K": 1},
     ("int8", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3,
                             "PAIRS": True, "SPLIT_K": 10},
-    # INT4: words of 8 nibbles (`WORDS`), from `kernels/diet_h200.py --parts int4words` (git 8448c3d,
-    # figures/data/quant_words_h200.json, "int4_words_overrides")
-    ("int4", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+    ("int4", 4608, 3584): {"BLOCK_N": 128, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1,
+                           "PAIRS": False, "SPLIT_K": 8, "WORDS": True},
+    ("int4", 3584, 3584): {"BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1,
                            "PAIRS": False, "SPLIT_K": 7, "WORDS": True},
-    ("int4", 3584, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
-                           "PAIRS": False, "SPLIT_K": 14, "WORDS": True},
-    ("int4", 37888, 3584): {"BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4,
-                            "PAIRS": False, "SPLIT_K": 8, "WORDS": True},
-    ("int4", 3584, 18944): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
-                            "PAIRS": False, "SPLIT_K": 15, "WORDS": True},
+    ("int4", 37888, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1,
+                            "PAIRS": False, "SPLIT_K": 4, "WORDS": True},
+    ("int4", 3584, 18944): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1,
+                            "PAIRS": False, "SPLIT_K": 14, "WORDS": True},
 }
 GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)  # (method, N, K) -> GEMV config, over the rules
 # Layers whose product at one row is faster on the tensor-core GEMM path (16-row tiles, the padding rows masked)
