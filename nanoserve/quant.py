@@ -26,11 +26,12 @@ from .fused import _sum_last, finish_split, split_tiles
 METHODS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['METHODS', 'GEMV_MAX_T', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
-           'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize',
-           'quant_matmul_ref', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k',
-           'gemv_config', 'gemm_config', 'words_path', 'quant_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear',
-           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+__all__ = ['METHODS', 'GEMV_MAX_T', 'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS',
+           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4',
+           'dequantize', 'quant_matmul_ref', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
+           'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'quant_gemv', 'quant_gemm', 'quant_matmul',
+           'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality',
+           'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #f905d92f
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,6 +284,7 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 
 # %% ../nbs/10_quant.ipynb #1e00c0e8
 GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the tensor-core GEMM path
+WORDS_RULE = {"WORDS": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "PAIRS": False}  # INT4 at one row
 # The best GEMV configuration per 7B layer shape at one row: INT8 from the H200 sweep of `kernels/quant_h200.py`
 # (git 5b2a79f, figures/data/quant_h200.json, "gemv_overrides") but the output projection, and INT4 (words of 8
 # nibbles, `WORDS`) from `kernels/diet_h200.py --parts int4words` (git 6273a67,
@@ -342,6 +344,8 @@ def gemv_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
     "The GEMV's blocks, warps, stages and split for one call: the rules, then GEMV_OVERRIDES, then `config`."
     bits = _bits(method)
     cfg = {"BLOCK_N": 32, "BLOCK_K": 256 if bits == 8 else 512, "num_warps": 4, "num_stages": 3, "PAIRS": True}
+    words = {**WORDS_RULE, "BLOCK_K": group_size}
+    if words_path(M, N, K, method, group_size, words): cfg.update(words)   # INT4, one row: words, a group a tile
     cfg.update(GEMV_OVERRIDES.get((method, N, K), {}))
     cfg.update(config or {})
     cfg["SUB_K"] = _block_k(bits, group_size, cfg["BLOCK_K"])              # one INT4 group per sub-tile

@@ -110,6 +110,24 @@ def test_gemv_matches_reference(method, K, G, dtype):
 
 
 @interp
+@interp
+@pytest.mark.parametrize("G,BLOCK_K,SPLIT_K", [(64, 64, 3), (64, 128, 2), (64, 256, 1), (32, 128, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_words_path_matches_reference(G, BLOCK_K, SPLIT_K, dtype):
+    "INT4 at one row as words of nibbles: 1, 2 or 4 groups a K tile, split or not, with and without a bias."
+    K, N = 512, 64
+    g = torch.Generator().manual_seed(G + BLOCK_K)
+    packed = quantize_int4(torch.randn(N, K, generator=g) * 0.05, G)
+    cfg = {"WORDS": True, "BLOCK_N": 16, "BLOCK_K": BLOCK_K, "SPLIT_K": SPLIT_K}
+    assert words_path(1, N, K, "int4", G, cfg)
+    for bias in (None, torch.randn(N, generator=g).to(dtype)):
+        x = torch.randn(1, K, generator=g).to(dtype)
+        ref = quant_matmul_ref(x.float(), *packed, bias, "int4", G)
+        out = quant_gemv(x, *packed, bias, "int4", G, config=cfg)
+        rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert out.dtype == dtype and rel < (1e-5 if dtype == torch.float32 else 2e-3), rel
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("K,G", [(256, 64), (384, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -166,16 +184,20 @@ def test_configs_and_overrides():
     assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
     try:
         GEMV_OVERRIDES.clear()                                                   # the rules alone
-        down = gemv_config(1, 3584, 18944, "int4", 128, 132)
+        down = gemv_config(2, 3584, 18944, "int4", 128, 132)                     # two rows: the sub-tile rule
         assert (down["BLOCK_N"], down["BLOCK_K"], down["SUB_K"], down["SPLIT_K"]) == (32, 512, 128, 5)
-        assert gemv_config(1, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
+        assert "WORDS" not in down and gemv_config(2, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
+        one = gemv_config(1, 3584, 18944, "int4", 128, 132)                      # one row: the words rule
+        assert (one["WORDS"], one["BLOCK_N"], one["BLOCK_K"], one["SPLIT_K"]) == (True, 64, 128, 10)
+        assert words_path(1, 3584, 18944, "int4", 128, one)
+        assert not gemv_config(1, 3584, 3584, "int4", 96, 132).get("WORDS")      # a group of 96: no words
         assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32         # a sub-tile never crosses a group
         assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128})["SUB_K"] == 128
         assert gemm_config(40, 3584, 3584, "int4", 64, 132)["BLOCK_K"] == 64
         GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
         c = gemv_config(1, 3584, 18944, "int8", None, 132)
         assert (c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) == (64, 8, 1)
-        assert gemv_config(1, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 32    # other method / shape: the rules
+        assert gemv_config(2, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 32    # other method / shape: the rules
         assert gemv_config(1, 3584, 18944, "int8", None, 132, {"BLOCK_N": 16})["BLOCK_N"] == 16   # config wins
     finally:
         GEMV_OVERRIDES.clear(); GEMV_OVERRIDES.update(saved)
