@@ -342,18 +342,20 @@ class ModelRunner:
             base = k + 3 * n
             feed = (dev_i[base:base + f], self._last_sampled.index_select(0, dev_i[base + f:base + 2 * f]))
         cuda = self.device.type == "cuda"
-        events = None
+        events = start = None
         if (ledger_row is not None or self.step_spans is not None) and cuda:   # the step's device span
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            events[0].record()
+            start = events[0]                    # recorded by a graph once its inputs are in, else just below
             if self.step_spans is not None: self.step_spans.append(events)
         t0 = time.perf_counter()
         if x.bucket is not None:                 # every row of a decode-only step is sampled, in order
-            tokens = sample(self.graphs.run(dev_i[:k], x.num_seqs, x.bucket, x.width, feed=feed), smeta)     # [S]
+            tokens = sample(self.graphs.run(dev_i[:k], x.num_seqs, x.bucket, x.width, feed=feed, start=start),
+                            smeta)                                                                      # [S]
         elif x.mixed_bucket is not None:         # the sampled rows' logits come first, in order
-            logits = self.mixed_graphs.run(dev_i[:k], x.mixed_bucket, x.num_seqs, x.width, feed=feed)
+            logits = self.mixed_graphs.run(dev_i[:k], x.mixed_bucket, x.num_seqs, x.width, feed=feed, start=start)
             tokens = sample(logits[:n], smeta) if n else None                              # [S]
         else:
+            if start is not None: start.record()
             input_ids, positions, meta, sample_rows = self._eager_inputs(x, dev_i)
             if feed is not None: input_ids.index_copy_(0, *feed)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)      # [T, hidden]

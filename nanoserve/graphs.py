@@ -103,11 +103,14 @@ class DecodeGraphs:
         self.small[:, :bucket].copy_(packed[:4 * bucket].view(4, bucket))                       # [4, bucket]
         self.block_tables[:bucket, :width].copy_(packed[4 * bucket:4 * bucket + bucket * width].view(bucket, width))
 
-    def run(self, packed: torch.Tensor, num_seqs: int, bucket: int, width: int, feed=None) -> torch.Tensor:
+    def run(self, packed: torch.Tensor, num_seqs: int, bucket: int, width: int, feed=None,
+            start=None) -> torch.Tensor:
         """Load a step and replay its bucket's graph (or run it, without capture); logits [num_seqs, vocab].
-        `feed` (rows, token ids), both on the device, overwrites input tokens the host did not know yet."""
+        `feed` (rows, token ids), both on the device, overwrites input tokens the host did not know yet; `start`,
+        a CUDA event, is recorded once the inputs are loaded, just before the forward pass."""
         self.load(packed, bucket, width)
         if feed is not None: self.small[0].index_copy_(0, *feed)
+        if start is not None: start.record()
         if self.graphs: self.graphs[bucket].replay()
         else: self._forward(bucket)
         self.num_replays += 1
@@ -200,10 +203,11 @@ class MixedGraphs:
         self.inputs[T].copy_(packed[:n])
         self.block_tables[:num_seqs, :width].copy_(packed[n:n + num_seqs * width].view(num_seqs, width))  # [n, w]
 
-    def run(self, packed: torch.Tensor, T: int, num_seqs: int, width: int, feed=None) -> torch.Tensor:
+    def run(self, packed: torch.Tensor, T: int, num_seqs: int, width: int, feed=None, start=None) -> torch.Tensor:
         "Load a step and replay bucket `T`'s graph (or run it, without capture); logits of its sampled rows."
         self.load(packed, T, num_seqs, width)
         if feed is not None: self.inputs[T][:T].index_copy_(0, *feed)          # as in `DecodeGraphs.run`
+        if start is not None: start.record()                                   # as in `DecodeGraphs.run`
         if self.graphs: self.graphs[T].replay()
         else: self._forward(T)
         self.num_replays += 1
