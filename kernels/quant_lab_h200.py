@@ -345,7 +345,7 @@ def read_speed(res):
         ws = G.operand_copies((w,), nbytes)
         for W in (16, 32, 64, 128, 256):
             for bn in (16, 64, 256):
-                if bn * W > 16384: continue
+                if bn * W > 16384 or (K // 8) % W: continue      # the tiles must cover K (git c5b655b's did not)
                 for sk in (4, 8, 16):
                     per, split = split_tiles(K // 8, W, sk)
                     out = torch.empty(split, N, dtype=torch.int32, device="cuda")
