@@ -20,7 +20,9 @@ copies that defeat L2), each kernel checked against `quant_matmul_ref` first. Th
 - int4g: `lab_int4g_kernel`, GPT groups per load (row runs of GPT x 64 bytes), swept; int8b: INT8 with row runs of
   512 and 1024 bytes, swept;
 - abl: the best int4g configuration per projection with each ablation of `lab_int4g_kernel` (ABL): where the
-  INT4 GEMV's time goes, against the read speed of `read`.
+  INT4 GEMV's time goes, against the read speed of `read`;
+- half: `lab_int4h_kernel`, two weights an instruction (packed half-precision arithmetic in inline PTX), against
+  the shipped words path (the package's table, PDL on).
 """
 import argparse, json, os, sys, time
 from pathlib import Path
@@ -175,6 +177,115 @@ def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
                  tl.num_programs(1), HAS_BIAS, SPLIT)
 
 
+def _pairs_asm(bf16: bool) -> str:
+    """PTX: one int32 word of 8 nibbles (nibble m = input 8 j + m) and four half-precision pairs of activations
+    (pair k = inputs 8 j + k and 8 j + k + 4) -> the fp32 sum of the 8 products q x. One shift and one mask-or
+    (`lop3`) turn two nibbles into a half-precision pair 2^e + q (the magic-number trick), a packed fused
+    multiply-add removes 2^e, four more accumulate the pairs' products, and the two lanes are added in fp32."""
+    t = "bf16x2" if bf16 else "f16x2"
+    magic, negm, one = ("0x43004300", "0xC300C300", "0x3F803F80") if bf16 else ("0x64006400", "0xE400E400", "0x3C003C00")
+    cvt = "cvt.f32.bf16" if bf16 else "cvt.f32.f16"
+    return f"""{{
+.reg .b32 w1, w2, w3, t0, t1, t2, t3, acc, mk, mg, ng, on, zr;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 mk, 0x000F000F;
+mov.b32 mg, {magic};
+mov.b32 ng, {negm};
+mov.b32 on, {one};
+mov.b32 zr, 0;
+shr.u32 w1, $1, 4;
+shr.u32 w2, $1, 8;
+shr.u32 w3, $1, 12;
+lop3.b32 t0, $1, mk, mg, 0xEA;
+lop3.b32 t1, w1, mk, mg, 0xEA;
+lop3.b32 t2, w2, mk, mg, 0xEA;
+lop3.b32 t3, w3, mk, mg, 0xEA;
+fma.rn.{t} t0, t0, on, ng;
+fma.rn.{t} t1, t1, on, ng;
+fma.rn.{t} t2, t2, on, ng;
+fma.rn.{t} t3, t3, on, ng;
+fma.rn.{t} acc, t0, $2, zr;
+fma.rn.{t} acc, t1, $3, acc;
+fma.rn.{t} acc, t2, $4, acc;
+fma.rn.{t} acc, t3, $5, acc;
+mov.b32 {{lo, hi}}, acc;
+{cvt} flo, lo;
+{cvt} fhi, hi;
+add.f32 $0, flo, fhi;
+}}"""
+
+
+PAIRS_ASM = {True: _pairs_asm(True), False: _pairs_asm(False)}
+PAIRS_CACHE: dict = {}      # (x's address, shape, bf16) -> its packed pairs and sums
+
+
+@triton.jit
+def lab_int4h_kernel(x2_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K,
+                     groups_per_split, stride_wn, stride_sn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """INT4 words, two weights an instruction: packed half-precision arithmetic in inline PTX (`_pairs_asm`) on
+    activations pre-packed in pairs (`x2`, int32 [K / 2]) with each word's input sum (`xs`, fp32 [K / 8]) for
+    the zero point. The next kernel launches after the loop."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NW: tl.constexpr = GROUP // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, NW)
+    g_begin = pid_k * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, K // GROUP)
+    wp = w_ptr + offs_n[:, None] * stride_wn + j[None, :]                     # [BLOCK_N, NW]
+    words = tl.load(wp + g_begin * NW)
+    pdl_wait(PDL)
+    total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+    for g in range(g_begin, g_end):
+        s = tl.load(s_ptr + offs_n * stride_sn + g)
+        z = tl.load(z_ptr + offs_n * stride_sn + g).to(tl.float32)
+        xb = x2_ptr + (g * NW + j) * 4                                        # [NW]: word j's four pairs
+        x0 = tl.load(xb)
+        x1 = tl.load(xb + 1)
+        x2 = tl.load(xb + 2)
+        x3 = tl.load(xb + 3)
+        xs = tl.load(xs_ptr + g * NW + j)
+        dot = tl.inline_asm_elementwise(ASM, "=f,r,r,r,r,r", [words, x0[None, :], x1[None, :], x2[None, :], x3[None, :]],
+                                        dtype=tl.float32, is_pure=True, pack=1)          # [BLOCK_N, NW]: sum q x
+        total += dot * s[:, None] - (s * z)[:, None] * xs[None, :]
+        words = tl.load(wp + tl.minimum(g + 1, g_end - 1) * NW)
+    pdl_launch_next(PDL)
+    acc = tl.sum(total, 1)[None, :]
+    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
+                 tl.num_programs(1), HAS_BIAS, SPLIT)
+
+
+def pack_pairs(x: torch.Tensor, bf16: bool):
+    "x [1, K] -> (pairs int32 [K / 2]: inputs 8 j + k and 8 j + k + 4 in half precision, sums fp32 [K / 8])."
+    h = x.reshape(-1).to(torch.bfloat16 if bf16 else torch.float16)
+    K = h.numel()
+    pairs = h.view(K // 8, 2, 4).transpose(1, 2).contiguous().view(torch.int32).reshape(-1)   # [K/8, 4, 2] -> [K/2]
+    return pairs, h.float().view(K // 8, 8).sum(1)
+
+
+def lab_int4h(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
+    """x [1, K], INT4 (group 128): the packed-pairs kernel. Its activations are packed by `pack_pairs` once per
+    operand and cached, so a timing measures the kernel alone (a shipped version packs them in the kernel)."""
+    N, K = qweight.shape[0], x.shape[1]
+    bf16 = cfg.get("BF16", True)
+    key = (x.data_ptr(), x.shape, bf16)
+    if key not in PAIRS_CACHE: PAIRS_CACHE[key] = pack_pairs(x, bf16)   # once per operand: kernel time alone
+    x2, xs = PAIRS_CACHE[key]
+    per, split = split_tiles(K, 128, cfg["SPLIT_K"])
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    n_tiles = N // cfg["BLOCK_N"]
+    counters = split_counters(x.device, n_tiles) if split > 1 else out
+    w = qweight.view(torch.int32)
+    lab_int4h_kernel[(n_tiles, split)](
+        x2, xs, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
+        scales.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=128, SPLIT=split > 1,
+        ASM=PAIRS_ASM[bf16], PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
+    return out
+
+
 def lab_int4(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     "x [1, K] with INT4 words (group = 128); scales / zeros [N, K / G] in either memory layout."
     N, K = qweight.shape[0], x.shape[1]
@@ -258,7 +369,8 @@ def lab(res, method: str, budget_s: float):
     """Per 7B projection at one row: the shipped path (as `quant_matmul` picks it), then the lab kernel's switches
     at the shipped blocks, then a block and split sweep with the best switches (`budget_s` per projection)."""
     rows = res.setdefault(method, [])
-    run = lab_int4 if method == "int4" else lab_int8
+    run = {"int4": lab_int4, "int8": lab_int8, "int4h": lab_int4h}[method]
+    method = method[:4]
     for name, N, K, _, bias in layer_shapes("7B"):
         t0 = time.perf_counter()
         w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
@@ -362,7 +474,8 @@ def read_speed(res):
 def sweep(res, key, method, cands, budget_s):
     "Per 7B projection: the shipped path, then each candidate (config, pdl) of the lab kernel, within `budget_s`."
     rows = res.setdefault(key, [])
-    run = lab_int4 if method == "int4" else lab_int8
+    run = {"int4": lab_int4, "int8": lab_int8, "int4h": lab_int4h}[method]
+    method = method[:4]
     for name, N, K, _, bias in layer_shapes("7B"):
         t0 = time.perf_counter()
         w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
@@ -371,7 +484,7 @@ def sweep(res, key, method, cands, budget_s):
         qs = G.operand_copies(q, qb)
         ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped_us": G.graph_bench(
-            lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=method == "int8")), qb), "trials": []}
+            lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=True)), qb), "trials": []}
         for cfg, pdl in cands(N, K):
             if time.perf_counter() - t0 > budget_s: break
             if N % cfg["BLOCK_N"] or (method == "int4" and (K // 128) % cfg.get("GPT", 1)): continue
@@ -422,6 +535,13 @@ def sz_cands(N, K):
             for gpt in (1, 2) for bn in (64, 128, 256) for sk in sks for sz in (True, False)]
 
 
+def half_cands(N, K):
+    "The packed-pairs kernel (bf16 and fp16 pairs) over blocks, warps and splits, with PDL."
+    sks = (4, 8, 14) if K < 10000 else (8, 16, 37)
+    return [({"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "BF16": bf}, True)
+            for bf in (True, False) for bn in (64, 128, 256) for nw in (4, 8) for sk in sks]
+
+
 def int8b_cands(N, K):
     "Longer row runs (BLOCK_K up to 1024 bytes) x blocks x warps x splits, PDL with the late launch."
     sks = (4, 8, 14) if K < 10000 else (8, 16, 37)
@@ -441,7 +561,8 @@ def main():
              "read": lambda: read_speed(res), "int4g": lambda: sweep(res, "int4g", "int4", int4g_cands, 45.0),
              "int8b": lambda: sweep(res, "int8b", "int8", int8b_cands, 25.0),
              "abl": lambda: sweep(res, "abl", "int4", abl_cands, 60.0),
-             "sz": lambda: sweep(res, "sz", "int4", sz_cands, 60.0)}
+             "sz": lambda: sweep(res, "sz", "int4", sz_cands, 60.0),
+             "half": lambda: sweep(res, "half", "int4h", half_cands, 30.0)}
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 
