@@ -126,6 +126,8 @@ def test_gemv_words_path_matches_reference(G, BLOCK_K, SPLIT_K, dtype):
         out = quant_gemv(x, *packed, bias, "int4", G, config=cfg)
         rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         assert out.dtype == dtype and rel < (1e-5 if dtype == torch.float32 else 2e-3), rel
+        # the packed-pairs (PTX) variant runs on a GPU only: under the interpreter it is the words path, exactly
+        assert torch.equal(quant_gemv(x, *packed, bias, "int4", G, config={**cfg, "HALF2": True}), out)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -180,7 +182,7 @@ def test_configs_and_overrides():
     saved = dict(GEMV_OVERRIDES)
     assert saved == TUNED_GEMV                                                   # the package ships the H200 table
     down = gemv_config(1, 3584, 18944, "int4", 128, 132)                         # ... and uses it: the words path
-    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"]) == (128, 128, True)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["HALF2"]) == (64, 128, True, True)
     assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
     try:
         GEMV_OVERRIDES.clear()                                                   # the rules alone
