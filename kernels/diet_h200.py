@@ -25,7 +25,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
 5. rate / rate256 / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
    the control (`--control row_gemv`: `row_gemv=False`, cuBLAS; `--control pdl`: `pdl=False`, no programmatic
    dependent launch), 0.5B at batch 1, 8, 64 and 7B at batch 1; rate7bq: the 7B at batch 1 quantized, INT8 and
-   INT4, with the defaults and the control;
+   INT4, with the defaults and the control, and the module-level controls "int8 gemv only" (no tensor-core GEMM
+   at one row), "int4 no words" (the table from before the words path), "int4 no pairs" (the words path in fp32);
 7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
    programmatic dependent launch;
 8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM; int4words: the 7B INT4
@@ -71,6 +72,14 @@ def with_words(on: bool):
     GEMV_OVERRIDES.update(INT4_WORDS if on else INT4_BEFORE_WORDS)
 
 
+def with_pairs(on: bool):
+    "INT4's one-row words path in packed bf16 pairs (`HALF2`, now) or in fp32 (the control)."
+    from nanoserve.quant import WORDS_RULE
+    for k in [k for k in GEMV_OVERRIDES if k[0] == "int4" and "HALF2" in GEMV_OVERRIDES[k]]:
+        GEMV_OVERRIDES[k] = {**GEMV_OVERRIDES[k], "HALF2": on}
+    WORDS_RULE["HALF2"] = on
+
+
 def with_few_rows_gemm(on: bool):
     "The quantized layers named in `FEW_ROWS_GEMM` take the tensor-core GEMM at one row (now), or the GEMV (control)."
     FEW_ROWS_GEMM.clear()
@@ -82,6 +91,7 @@ def patched(cname: str):
     with_decode_merge(not cname.startswith("reduce kernel"), int(cname.split()[1]) if cname.startswith("splits ") else None)
     with_few_rows_gemm(not cname.endswith("gemv only"))
     with_words(not cname.endswith("no words"))
+    with_pairs(not cname.endswith("no pairs"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -358,14 +368,16 @@ def quant_one_row(res, budget_s=60.0):
 
 def int4_words(res, budget_s=100.0):
     """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
-    launch, 1, 2 or 4 groups a K tile) over tile blocks and splits, against the table as it was; and the INT8
+    launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile) over tile blocks and
+    splits, against the table as it was; and the INT8
     QKV and output projections over blocks, warps and splits against theirs. A faster config goes into
     GEMV_OVERRIDES (for the parts after it) and is recorded."""
     from nanoserve.quant import gemv_config, quant_gemv, quant_matmul_ref
     rows = res.setdefault("int4_words", [])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False}
-            for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8) if n * bk <= 65536]
+    int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False,
+             "HALF2": h2} for h2 in (True, False) for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8)
+            if n * bk <= 65536 and not (h2 and bk != 128)]          # the packed-pairs path takes a group a tile
     int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 3, "PAIRS": True}
             for bk in (128, 256) for n in (16, 32, 64) for w in (4, 8)]
     for method in ("int4", "int8"):
@@ -451,7 +463,8 @@ def main():
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
-        ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}))
+        ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
+        ("int4 no pairs", {"quantization": "int4"}))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
