@@ -42,6 +42,33 @@ from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, quant_gemv, quant_ma
 
 
 @triton.jit
+def _words_program(w_ptr, K, groups_per_split, stride_wn, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    "This program's channels, word columns, group range and word pointers ([BLOCK_N, GROUP / 8], group 0)."
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, GROUP // 8)
+    g_begin = tl.program_id(1) * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, K // GROUP)
+    return offs_n, j, g_begin, g_end, w_ptr + offs_n[:, None] * stride_wn + j[None, :]
+
+
+@triton.jit
+def _trick_dot(words, xk, BLOCK_N: tl.constexpr, NW: tl.constexpr):
+    """Words [BLOCK_N, NW] of 8 nibbles against the inputs at `xk + m`: (sum over each word of (1 + q / 16) x,
+    the sum of each word's 8 inputs [NW]). A nibble becomes the float 1 + q / 16 by one shift and one mask-or."""
+    acc = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+    xs = tl.full([NW], 0.0, tl.float32)
+    for m in tl.static_range(8):
+        if m <= 4:
+            f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
+        else:
+            f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
+        xm = tl.load(xk + m).to(tl.float32)
+        acc += f.to(tl.float32, bitcast=True) * xm[None, :]
+        xs += xm
+    return acc, xs
+
+
+@triton.jit
 def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, groups_per_split,
                     stride_wn, stride_sn, stride_sg, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     GROUP: tl.constexpr, SPLIT: tl.constexpr, TRICK: tl.constexpr, PREFETCH: tl.constexpr,
@@ -50,11 +77,7 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NW: tl.constexpr = GROUP // 8
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, NW)
-    g_begin = pid_k * groups_per_split
-    g_end = tl.minimum(g_begin + groups_per_split, K // GROUP)
-    wp = w_ptr + offs_n[:, None] * stride_wn + j[None, :]                     # [BLOCK_N, NW] words of group 0
+    offs_n, j, g_begin, g_end, wp = _words_program(w_ptr, K, groups_per_split, stride_wn, BLOCK_N, GROUP)
     words = tl.load(wp + g_begin * NW)                                        # weights only before the wait
     pdl_wait(PDL)
     total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
@@ -67,28 +90,12 @@ def lab_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cou
             sp = offs_n[:, None] * stride_sn + g * stride_sg + 0 * j[None, :]                     # [BLOCK_N, NW]
             s2 = tl.load(s_ptr + sp)
             z2 = tl.load(z_ptr + sp).to(tl.float32)
-            xs = tl.full([NW], 0.0, tl.float32)
-            for m in tl.static_range(8):
-                if m <= 4:
-                    f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
-                else:
-                    f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
-                xm = tl.load(xk + m).to(tl.float32)
-                acc += f.to(tl.float32, bitcast=True) * xm[None, :]
-                xs += xm
+            acc, xs = _trick_dot(words, xk, BLOCK_N, NW)
             total += acc * (16.0 * s2) - (s2 * (16.0 + z2)) * xs[None, :]
         elif TRICK:                                                           # f = 1 + q / 16, exactly
             s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg)
             z = tl.load(z_ptr + offs_n * stride_sn + g * stride_sg).to(tl.float32)
-            xs = tl.full([NW], 0.0, tl.float32)
-            for m in tl.static_range(8):
-                if m <= 4:
-                    f = ((words << (19 - 4 * m)) & 0x00780000) | 0x3F800000
-                else:
-                    f = ((words >> (4 * m - 19)) & 0x00780000) | 0x3F800000
-                xm = tl.load(xk + m).to(tl.float32)
-                acc += f.to(tl.float32, bitcast=True) * xm[None, :]
-                xs += xm
+            acc, xs = _trick_dot(words, xk, BLOCK_N, NW)
             # sum (q - z) x s = s (16 sum f x - (16 + z) sum x)
             total += acc * (16.0 * s)[:, None] - (s * (16.0 + z))[:, None] * xs[None, :]
         else:
@@ -230,11 +237,7 @@ def lab_int4h_kernel(x2_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, par
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NW: tl.constexpr = GROUP // 8
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, NW)
-    g_begin = pid_k * groups_per_split
-    g_end = tl.minimum(g_begin + groups_per_split, K // GROUP)
-    wp = w_ptr + offs_n[:, None] * stride_wn + j[None, :]                     # [BLOCK_N, NW]
+    offs_n, j, g_begin, g_end, wp = _words_program(w_ptr, K, groups_per_split, stride_wn, BLOCK_N, GROUP)
     words = tl.load(wp + g_begin * NW)
     pdl_wait(PDL)
     total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
@@ -265,6 +268,14 @@ def pack_pairs(x: torch.Tensor, bf16: bool):
     return pairs, h.float().view(K // 8, 8).sum(1)
 
 
+def _outputs(x, N: int, split: int, block_n: int):
+    "The output [1, N], the split partials (or the output again), the channel tiles, the split counters."
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    n_tiles = N // block_n
+    return out, part, n_tiles, split_counters(x.device, n_tiles) if split > 1 else out
+
+
 def lab_int4h(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     """x [1, K], INT4 (group 128): the packed-pairs kernel. Its activations are packed by `pack_pairs` once per
     operand and cached, so a timing measures the kernel alone (a shipped version packs them in the kernel)."""
@@ -274,10 +285,7 @@ def lab_int4h(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     if key not in PAIRS_CACHE: PAIRS_CACHE[key] = pack_pairs(x, bf16)   # once per operand: kernel time alone
     x2, xs = PAIRS_CACHE[key]
     per, split = split_tiles(K, 128, cfg["SPLIT_K"])
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    n_tiles = N // cfg["BLOCK_N"]
-    counters = split_counters(x.device, n_tiles) if split > 1 else out
+    out, part, n_tiles, counters = _outputs(x, N, split, cfg["BLOCK_N"])
     w = qweight.view(torch.int32)
     lab_int4h_kernel[(n_tiles, split)](
         x2, xs, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
@@ -291,10 +299,7 @@ def lab_int4(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     N, K = qweight.shape[0], x.shape[1]
     group, gpt = 128, cfg.get("GPT", 1)
     per, split = split_tiles(K, group * gpt, cfg["SPLIT_K"])
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    n_tiles = N // cfg["BLOCK_N"]
-    counters = split_counters(x.device, n_tiles) if split > 1 else out
+    out, part, n_tiles, counters = _outputs(x, N, split, cfg["BLOCK_N"])
     w = qweight.view(torch.int32)
     if gpt > 1:
         lab_int4g_kernel[(n_tiles, split)](
@@ -347,10 +352,7 @@ def lab_int8(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     "x [1, K] with INT8 per-channel weights."
     N, K = qweight.shape[0], x.shape[1]
     per, split = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    n_tiles = N // cfg["BLOCK_N"]
-    counters = split_counters(x.device, n_tiles) if split > 1 else out
+    out, part, n_tiles, counters = _outputs(x, N, split, cfg["BLOCK_N"])
     w = qweight.view(torch.uint8)
     lab_int8_kernel[(n_tiles, split)](
         x, w, scales, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
@@ -358,6 +360,19 @@ def lab_int8(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
         PREFETCH=cfg.get("PREFETCH", False), PDL=pdl, LATE=cfg.get("LATE", False), num_warps=cfg["num_warps"],
         num_stages=1, **launch_options(pdl))
     return out
+
+
+RUNS = {"int4": lab_int4, "int8": lab_int8, "int4h": lab_int4h}   # a sweep's method -> its lab launcher
+
+
+def layer_case(method: str, N: int, K: int, bias: bool):
+    """One 7B projection at one row: bf16 weight, bias, input, its quantized form, its bytes, copies for
+    graph_bench, and the fp32 reference output."""
+    w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
+    q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
+    qb = q[0].numel() * q[0].element_size() + q[1].numel() * 4 + (0 if q[2] is None else q[2].numel())
+    ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
+    return w, b, x, q, qb, G.operand_copies(q, qb), ref
 
 
 def transposed(t: torch.Tensor) -> torch.Tensor:
@@ -369,18 +384,13 @@ def lab(res, method: str, budget_s: float):
     """Per 7B projection at one row: the shipped path (as `quant_matmul` picks it), then the lab kernel's switches
     at the shipped blocks, then a block and split sweep with the best switches (`budget_s` per projection)."""
     rows = res.setdefault(method, [])
-    run = {"int4": lab_int4, "int8": lab_int8, "int4h": lab_int4h}[method]
-    method = method[:4]
+    run, method = RUNS[method], method[:4]
     for name, N, K, _, bias in layer_shapes("7B"):
         t0 = time.perf_counter()
-        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
-        q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
-        qb = q[0].numel() * q[0].element_size() + q[1].numel() * 4 + (0 if q[2] is None else q[2].numel())
-        qs = G.operand_copies(q, qb)
+        w, b, x, q, qb, qs, ref = layer_case(method, N, K, bias)
         qst = [(a, transposed(s), None if z is None else transposed(z)) for a, s, z in qs] if method == "int4" else None
-        ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
         shipped = dict(GEMV_OVERRIDES.get((method, N, K), {}))
-        pdl_ship = method == "int8"
+        pdl_ship = True      # as shipped now (INT4 took PDL after this part's run at git eba3901, with pdl_ship False)
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
                "few_rows_gemm": FEW_ROWS_GEMM.get((method, N, K)),
                "shipped_us": G.graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ship)), qb),
@@ -474,15 +484,10 @@ def read_speed(res):
 def sweep(res, key, method, cands, budget_s):
     "Per 7B projection: the shipped path, then each candidate (config, pdl) of the lab kernel, within `budget_s`."
     rows = res.setdefault(key, [])
-    run = {"int4": lab_int4, "int8": lab_int8, "int4h": lab_int4h}[method]
-    method = method[:4]
+    run, method = RUNS[method], method[:4]
     for name, N, K, _, bias in layer_shapes("7B"):
         t0 = time.perf_counter()
-        w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
-        q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
-        qb = q[0].numel() * q[0].element_size() + q[1].numel() * 4 + (0 if q[2] is None else q[2].numel())
-        qs = G.operand_copies(q, qb)
-        ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
+        w, b, x, q, qb, qs, ref = layer_case(method, N, K, bias)
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped_us": G.graph_bench(
             lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=True)), qb), "trials": []}
         for cfg, pdl in cands(N, K):
