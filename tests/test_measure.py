@@ -13,7 +13,7 @@ import torch
 from nanoserve.measure import (DeviceIntervals, Window, busy_share, busy_share_of, clock_ramp, count_device_kernels,
                                covered_us, decode_floor_ms, device_sync, kernels_per_step, kv_bytes_per_token,
                                merge_intervals, model_params, model_weight_bytes, profile_run, roofline_report,
-                               run_from_events, summarize_ramp, time_twice, warm_gpu, WINDOW_PREFIX)
+                               run_from_events, span_busy_share, summarize_ramp, time_twice, warm_gpu, WINDOW_PREFIX)
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -177,3 +177,14 @@ def test_import_needs_no_dev_tools_and_leaves_the_gpu_alone():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"dev": [], "cuda_init": False}
+
+
+def test_span_busy_share_counts_covered_window_once():
+    class Ev:                                         # a recorded event at t milliseconds
+        def __init__(self, t): self.t = t
+        def elapsed_time(self, other): return other.t - self.t
+    steps = [(Ev(0.0), Ev(1.0)), (Ev(1.5), Ev(2.0)), (Ev(1.6), Ev(1.8))]   # a 0.5 ms wait; one span inside another
+    assert abs(span_busy_share(steps) - 1.5 / 2.0) < 1e-12
+    assert span_busy_share([(Ev(3.0), Ev(4.0))]) == 1.0
+    with pytest.raises(ValueError, match="no spans"): span_busy_share([])
+    with pytest.raises(ValueError, match="ends before"): span_busy_share([(Ev(1.0), Ev(0.0))])
