@@ -353,6 +353,35 @@ def test_import_without_interpret_on_cpu():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+HALF2_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import nanoserve.quant as Q
+ints = ("M", "N", "K", "tiles_per_split", "stride_xm", "stride_qn", "stride_sn", "stride_om")
+sig = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp32", "zeros_ptr": "*u8", "bias_ptr": "*bf16",
+       "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", **{n: "i32" for n in ints}}
+cons = dict(BITS=4, GROUP=128, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, SUB_K=128, SPLIT=True,
+            PAIRS=False, EVEN=True, PDL=True, WORDS=True, HALF2=True, ASM=Q.PAIRS_ASM)
+sig.update({c: "constexpr" for c in cons})
+names = list(sig)
+src = ASTSource(fn=Q.quant_gemv_kernel, signature=sig, constexprs={(names.index(c),): v for c, v in cons.items()})
+cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+print(len(cc.asm["cubin"]), cc.asm["ptx"].count("lop3.b32"), cc.asm["ptx"].count("fma.rn.bf16x2"))
+"""
+
+
+def test_half2_ptx_compiles_for_hopper():
+    "The packed-pairs path's inline PTX, compiled for sm_90 on the CPU (Triton's ptxas): it runs on a GPU only."
+    import subprocess, sys
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", HALF2_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cubin, lop3, fma = map(int, r.stdout.split())
+    # 64 channels x 16 words over 128 threads: 8 words a thread, each 4 lop3 and 8 packed multiply-adds
+    assert cubin > 0 and (lop3, fma) == (32, 64)
+
+
 # -- through the engine ---------------------------------------------------------------------------------------
 def test_engine_quantized_equals_dequantized_weights():
     "The engine with int8/int4 weights generates what the fp32 model with the dequantized weights generates."
