@@ -465,7 +465,8 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     q = qweight.view(torch.uint8) if bits == 8 else qweight                 # INT8 read as bytes (see _gemv_tile)
     if words: q = qweight.view(torch.int32)                                 # INT4 as words of 8 nibbles [N, K / 8]
     pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
-    half2 = words and bool(cfg.get("HALF2")) and cfg["BLOCK_K"] == group_size and not INTERPRET   # PTX: a GPU only
+    half2 = (words and bool(cfg.get("HALF2")) and cfg["BLOCK_K"] == group_size and x.dtype == torch.bfloat16
+             and not INTERPRET)             # PTX, on a GPU; bf16 activations (fp32 and fp16 ones keep their precision)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[(n_tiles, split_k)](
