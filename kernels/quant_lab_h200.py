@@ -37,8 +37,8 @@ from diet_h200 import layer_operands, layer_shapes           # noqa: E402
 from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
 from nanoserve.bench import run_meta                         # noqa: E402
 from nanoserve.fused import finish_split, split_tiles        # noqa: E402
-from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, quant_gemv, quant_matmul, quant_matmul_ref,  # noqa: E402
-                             quantize_int4, quantize_int8)
+from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, _pairs_asm, quant_gemv, quant_matmul,  # noqa: E402
+                             quant_matmul_ref, quantize_int4, quantize_int8)
 
 
 @triton.jit
@@ -184,46 +184,7 @@ def lab_int4g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
                  tl.num_programs(1), HAS_BIAS, SPLIT)
 
 
-def _pairs_asm(bf16: bool) -> str:
-    """PTX: one int32 word of 8 nibbles (nibble m = input 8 j + m) and four half-precision pairs of activations
-    (pair k = inputs 8 j + k and 8 j + k + 4) -> the fp32 sum of the 8 products q x. One shift and one mask-or
-    (`lop3`) turn two nibbles into a half-precision pair 2^e + q (the magic-number trick), a packed fused
-    multiply-add removes 2^e, four more accumulate the pairs' products, and the two lanes are added in fp32."""
-    t = "bf16x2" if bf16 else "f16x2"
-    magic, negm, one = ("0x43004300", "0xC300C300", "0x3F803F80") if bf16 else ("0x64006400", "0xE400E400", "0x3C003C00")
-    cvt = "cvt.f32.bf16" if bf16 else "cvt.f32.f16"
-    return f"""{{
-.reg .b32 w1, w2, w3, t0, t1, t2, t3, acc, mk, mg, ng, on, zr;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 mk, 0x000F000F;
-mov.b32 mg, {magic};
-mov.b32 ng, {negm};
-mov.b32 on, {one};
-mov.b32 zr, 0;
-shr.u32 w1, $1, 4;
-shr.u32 w2, $1, 8;
-shr.u32 w3, $1, 12;
-lop3.b32 t0, $1, mk, mg, 0xEA;
-lop3.b32 t1, w1, mk, mg, 0xEA;
-lop3.b32 t2, w2, mk, mg, 0xEA;
-lop3.b32 t3, w3, mk, mg, 0xEA;
-fma.rn.{t} t0, t0, on, ng;
-fma.rn.{t} t1, t1, on, ng;
-fma.rn.{t} t2, t2, on, ng;
-fma.rn.{t} t3, t3, on, ng;
-fma.rn.{t} acc, t0, $2, zr;
-fma.rn.{t} acc, t1, $3, acc;
-fma.rn.{t} acc, t2, $4, acc;
-fma.rn.{t} acc, t3, $5, acc;
-mov.b32 {{lo, hi}}, acc;
-{cvt} flo, lo;
-{cvt} fhi, hi;
-add.f32 $0, flo, fhi;
-}}"""
-
-
-PAIRS_ASM = {True: _pairs_asm(True), False: _pairs_asm(False)}
+PAIRS_ASM = {True: _pairs_asm(True), False: _pairs_asm(False)}   # the package's PTX, bf16 and fp16 pairs
 PAIRS_CACHE: dict = {}      # (x's address, shape, bf16) -> its packed pairs and sums
 
 
@@ -231,9 +192,9 @@ PAIRS_CACHE: dict = {}      # (x's address, shape, bf16) -> its packed pairs and
 def lab_int4h_kernel(x2_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K,
                      groups_per_split, stride_wn, stride_sn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-    """INT4 words, two weights an instruction: packed half-precision arithmetic in inline PTX (`_pairs_asm`) on
-    activations pre-packed in pairs (`x2`, int32 [K / 2]) with each word's input sum (`xs`, fp32 [K / 8]) for
-    the zero point. The next kernel launches after the loop."""
+    """INT4 words, two weights an instruction: packed half-precision arithmetic in inline PTX (the package's
+    `_pairs_asm`) on activations pre-packed in pairs (`x2`, int32 [K / 2]) with each word's input sum (`xs`,
+    fp32 [K / 8]) for the zero point. The next kernel launches after the loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NW: tl.constexpr = GROUP // 8
@@ -250,7 +211,8 @@ def lab_int4h_kernel(x2_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, par
         x2 = tl.load(xb + 2)
         x3 = tl.load(xb + 3)
         xs = tl.load(xs_ptr + g * NW + j)
-        dot = tl.inline_asm_elementwise(ASM, "=f,r,r,r,r,r", [words, x0[None, :], x1[None, :], x2[None, :], x3[None, :]],
+        pairs = [words, x0[None, :], x1[None, :], x2[None, :], x3[None, :]]
+        dot = tl.inline_asm_elementwise(ASM, "=f,r,r,r,r,r", pairs,
                                         dtype=tl.float32, is_pure=True, pack=1)          # [BLOCK_N, NW]: sum q x
         total += dot * s[:, None] - (s * z)[:, None] * xs[None, :]
         words = tl.load(wp + tl.minimum(g + 1, g_end - 1) * NW)
@@ -393,7 +355,8 @@ def lab(res, method: str, budget_s: float):
         pdl_ship = True      # as shipped now (INT4 took PDL after this part's run at git eba3901, with pdl_ship False)
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
                "few_rows_gemm": FEW_ROWS_GEMM.get((method, N, K)),
-               "shipped_us": G.graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ship)), qb),
+               "shipped_us": G.graph_bench(
+                   lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ship)), qb),
                "trials": []}
         row["shipped_GBps"] = qb / min(row["shipped_us"]) / 1e3
 

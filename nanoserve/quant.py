@@ -103,19 +103,22 @@ def quant_matmul_ref(x, qweight, scales, zeros, bias, method: str, group_size: i
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 # %% ../nbs/10_quant.ipynb #df21c5be
-def _pairs_asm() -> str:
+def _pairs_asm(bf16: bool = True) -> str:
     """PTX for the INT4 words path's packed arithmetic: one int32 word of 8 nibbles (nibble m = input 8 j + m) and
-    four bf16 pairs of activations (pair k = inputs 8 j + k and 8 j + k + 4) -> the fp32 sum of the 8 products
-    q x. One shift and one mask-or (`lop3`) turn two nibbles into the bf16 pair 128 + q, a packed multiply-add
-    takes the 128 away (exactly), four more accumulate the products in bf16, and the two lanes add in fp32."""
-    lines = ["mov.b32 mk, 0x000F000F;", "mov.b32 mg, 0x43004300;", "mov.b32 ng, 0xC300C300;",
-             "mov.b32 on, 0x3F803F80;", "mov.b32 zr, 0;", "mov.b32 w0, $1;"]
+    four half-precision pairs of activations (pair k = inputs 8 j + k and 8 j + k + 4) -> the fp32 sum of the 8
+    products q x. One shift and one mask-or (`lop3`) turn two nibbles into the pair 2^e + q (bf16: 128, fp16:
+    1024), a packed multiply-add takes 2^e away (exactly), four more accumulate the products, and the two lanes
+    add in fp32. The package uses bf16 (`PAIRS_ASM`); fp16 is more precise but its products can overflow."""
+    t, cvt = ("bf16x2", "cvt.f32.bf16") if bf16 else ("f16x2", "cvt.f32.f16")
+    magic, neg, one = ("0x43004300", "0xC300C300", "0x3F803F80") if bf16 else ("0x64006400", "0xE400E400", "0x3C003C00")
+    lines = ["mov.b32 mk, 0x000F000F;", f"mov.b32 mg, {magic};", f"mov.b32 ng, {neg};", f"mov.b32 on, {one};",
+             "mov.b32 zr, 0;", "mov.b32 w0, $1;"]
     for k in (1, 2, 3): lines.append(f"shr.u32 w{k}, $1, {4 * k};")
     for k in range(4): lines.append(f"lop3.b32 t{k}, w{k}, mk, mg, 0xEA;")          # (w & mk) | mg
-    for k in range(4): lines.append(f"fma.rn.bf16x2 t{k}, t{k}, on, ng;")           # 128 + q -> q
-    lines.append("fma.rn.bf16x2 acc, t0, $2, zr;")
-    for k in (1, 2, 3): lines.append(f"fma.rn.bf16x2 acc, t{k}, ${k + 2}, acc;")
-    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.bf16 flo, lo;", "cvt.f32.bf16 fhi, hi;", "add.f32 $0, flo, fhi;"]
+    for k in range(4): lines.append(f"fma.rn.{t} t{k}, t{k}, on, ng;")              # 2^e + q -> q
+    lines.append(f"fma.rn.{t} acc, t0, $2, zr;")
+    for k in (1, 2, 3): lines.append(f"fma.rn.{t} acc, t{k}, ${k + 2}, acc;")
+    lines += ["mov.b32 {lo, hi}, acc;", f"{cvt} flo, lo;", f"{cvt} fhi, hi;", "add.f32 $0, flo, fhi;"]
     regs = (".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, acc, mk, mg, ng, on, zr;", ".reg .b16 lo, hi;",
             ".reg .f32 flo, fhi;")
     return "{\n" + "\n".join(regs + tuple(lines)) + "\n}"
