@@ -104,7 +104,9 @@ def test_unknown_model(server):
 
 
 class FakeServer:
-    "A tiny asyncio HTTP server on loopback whose answers to /v1/completions are chosen by `mode`."
+    """A tiny asyncio HTTP server on loopback whose answers to /v1/completions are chosen by `mode`. It closes every
+    connection after one answer and says so (`connection: close`): otherwise the client may reuse a pooled connection
+    the server has just closed, and the request fails with a ReadError instead of the error under test."""
 
     def __init__(self, mode: str):
         self.mode, self.loop = mode, asyncio.new_event_loop()
@@ -124,10 +126,10 @@ class FakeServer:
             if n: await reader.readexactly(n)
             if not head.startswith(b"POST /v1/completions"):
                 body = b'{"object": "list", "data": [{"id": "fake", "owned_by": "fake"}]}'
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
                 await writer.drain(); return
             if self.mode == "close": return                          # no answer at all
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             def chunk(s: bytes): writer.write(b"%x\r\n%s\r\n" % (len(s), s))
             chunk(b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}\n\n')
             if self.mode == "wrong_count":
