@@ -26,12 +26,12 @@ from .fused import _sum_last, finish_split, split_tiles
 METHODS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['METHODS', 'PAIRS_ASM', 'GEMV_MAX_T', 'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS',
-           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4',
-           'dequantize', 'quant_matmul_ref', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
-           'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'quant_gemv', 'quant_gemm', 'quant_matmul',
-           'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality',
-           'quantized_linear_bytes']
+__all__ = ['METHODS', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T', 'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM',
+           'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4',
+           'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel',
+           'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv',
+           'compile_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
+           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #7a0d3c72
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,28 +103,40 @@ def quant_matmul_ref(x, qweight, scales, zeros, bias, method: str, group_size: i
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 # %% ../nbs/10_quant.ipynb #df21c5be
-def _pairs_asm(bf16: bool = True) -> str:
-    """PTX for the INT4 words path's packed arithmetic: one int32 word of 8 nibbles (nibble m = input 8 j + m) and
-    four half-precision pairs of activations (pair k = inputs 8 j + k and 8 j + k + 4) -> the fp32 sum of the 8
-    products q x. One shift and one mask-or (`lop3`) turn two nibbles into the pair 2^e + q (bf16: 128, fp16:
-    1024), a packed multiply-add takes 2^e away (exactly), four more accumulate the products, and the two lanes
-    add in fp32. The package uses bf16 (`PAIRS_ASM`); fp16 is more precise but its products can overflow."""
-    t, cvt = ("bf16x2", "cvt.f32.bf16") if bf16 else ("f16x2", "cvt.f32.f16")
-    magic, neg, one = ("0x43004300", "0xC300C300", "0x3F803F80") if bf16 else ("0x64006400", "0xE400E400", "0x3C003C00")
-    lines = ["mov.b32 mk, 0x000F000F;", f"mov.b32 mg, {magic};", f"mov.b32 ng, {neg};", f"mov.b32 on, {one};",
-             "mov.b32 zr, 0;", "mov.b32 w0, $1;"]
+def _pairs_asm(bf16: bool = True, shift: bool = False) -> str:
+    """PTX for the INT4 words path's packed arithmetic: one int32 word of 8 nibbles ($1; nibble m = input 8 j + m),
+    four half-precision pairs of activations ($2-$5; pair k = inputs 8 j + k and 8 j + k + 4) and the pair
+    -(2^e + z) ($6) -> the fp32 sum of the 8 products (q - z) x. One shift and one mask-or (`lop3`) turn two nibbles
+    into the pair 2^e + q (bf16: 128, fp16: 1024), a packed multiply-add with $6 leaves q - z (exactly), four more
+    accumulate the products, and the two lanes add in fp32. The package uses bf16 (`PAIRS_ASM`); fp16 is more
+    precise but its products can overflow. z = 0 in $6 gives the sum of q x. `shift` (bf16 only) takes the lanes
+    to fp32 with a shift and a mask instead of `cvt`: fewer instructions, more registers (not yet timed)."""
+    t = "bf16x2" if bf16 else "f16x2"
+    magic, one = ("0x43004300", "0x3F803F80") if bf16 else ("0x64006400", "0x3C003C00")
+    lines = ["mov.b32 mk, 0x000F000F;", f"mov.b32 mg, {magic};", f"mov.b32 on, {one};", "mov.b32 zr, 0;",
+             "mov.b32 w0, $1;"]
     for k in (1, 2, 3): lines.append(f"shr.u32 w{k}, $1, {4 * k};")
     for k in range(4): lines.append(f"lop3.b32 t{k}, w{k}, mk, mg, 0xEA;")          # (w & mk) | mg
-    for k in range(4): lines.append(f"fma.rn.{t} t{k}, t{k}, on, ng;")              # 2^e + q -> q
+    for k in range(4): lines.append(f"fma.rn.{t} t{k}, t{k}, on, $6;")              # 2^e + q - (2^e + z) -> q - z
     lines.append(f"fma.rn.{t} acc, t0, $2, zr;")
     for k in (1, 2, 3): lines.append(f"fma.rn.{t} acc, t{k}, ${k + 2}, acc;")
-    lines += ["mov.b32 {lo, hi}, acc;", f"{cvt} flo, lo;", f"{cvt} fhi, hi;", "add.f32 $0, flo, fhi;"]
-    regs = (".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, acc, mk, mg, ng, on, zr;", ".reg .b16 lo, hi;",
-            ".reg .f32 flo, fhi;")
+    if shift and bf16:                          # a bf16 lane is the top half of its fp32: a shift and a mask
+        lines += ["shl.b32 flo, acc, 16;", "and.b32 fhi, acc, 0xFFFF0000;", "add.f32 $0, flo, fhi;"]
+    else:
+        cvt = "cvt.f32.bf16" if bf16 else "cvt.f32.f16"
+        lines += ["mov.b32 {lo, hi}, acc;", f"{cvt} flo, lo;", f"{cvt} fhi, hi;", "add.f32 $0, flo, fhi;"]
+    regs = (".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, acc, mk, mg, on, zr;", ".reg .b16 lo, hi;",
+            ".reg .b32 flo, fhi;" if shift and bf16 else ".reg .f32 flo, fhi;")
     return "{\n" + "\n".join(regs + tuple(lines)) + "\n}"
 
 
+def neg_pair(bf16: bool = True) -> int:
+    "The int32 bits of the pair -(2^e) -(2^e) (`_pairs_asm`'s $6 for z = 0): -128 in bf16, -1024 in fp16."
+    return (0xC300C300 if bf16 else 0xE400E400) - (1 << 32)
+
+
 PAIRS_ASM = _pairs_asm()
+PAIRS_ASM_SHIFT = _pairs_asm(shift=True)
 
 
 @triton.jit
@@ -137,6 +149,41 @@ def _bf16_bits(ptr):
 def _bits_value(bits):
     "The fp32 value of bf16 bits held in the low half of int32s."
     return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_pairs(x_ptr, base, NW: tl.constexpr):
+    """The activation pairs of NW words, straight from x's bf16 bits: x read as int32 (element `base + 4 j + i`
+    holds inputs 8 j + 2 i and 8 j + 2 i + 1) and regrouped into pair k = inputs 8 j + k and 8 j + k + 4 (the
+    nibbles one mask picks together) -> four int32 [NW]."""
+    j = tl.arange(0, NW)
+    xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + base + 4 * j[:, None] + tl.arange(0, 4)[None, :])  # [NW, 4]
+    a, b = tl.split(tl.reshape(xw, (NW, 2, 2)))         # [NW, 2, 2] -> a: elements 0, 2 (inputs 0-1, 4-5); b: 1, 3
+    r0, r2 = tl.split(a)
+    r1, r3 = tl.split(b)
+    p0 = (r0 & 0xFFFF) | (r2 << 16)                     # inputs 0, 4
+    p1 = ((r0 >> 16) & 0xFFFF) | (r2 & -65536)          # inputs 1, 5
+    p2 = (r1 & 0xFFFF) | (r3 << 16)                     # inputs 2, 6
+    p3 = ((r1 >> 16) & 0xFFFF) | (r3 & -65536)          # inputs 3, 7
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _pair_term(w, p, zlo, zhi):
+    "One pair of `_pairs_emulated`: nibbles (w & 15, w >> 16 & 15) times the pair p, exactly."
+    tlo = _bits_value((w & 15) | 0x4300) + zlo                                  # 128 + q - (128 + z)
+    thi = _bits_value(((w >> 16) & 15) | 0x4300) + zhi
+    return tlo * _bits_value(p & 0xFFFF) + thi * _bits_value((p >> 16) & 0xFFFF)
+
+
+@triton.jit
+def _pairs_emulated(words, p0, p1, p2, p3, zp):
+    """What `PAIRS_ASM` computes from the same int32 operands, in fp32 and without its bf16 roundings: the
+    interpreter's stand-in for the PTX, so the CPU tests run the packed path's loads and pairings."""
+    zlo = _bits_value(zp & 0xFFFF)
+    zhi = _bits_value((zp >> 16) & 0xFFFF)
+    return (_pair_term(words, p0, zlo, zhi) + _pair_term(words >> 4, p1, zlo, zhi)
+            + _pair_term(words >> 8, p2, zlo, zhi) + _pair_term(words >> 12, p3, zlo, zhi))
 
 
 @triton.jit
@@ -202,7 +249,8 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
-                      WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = ""):
+                      WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
+                      ZPAIR: tl.constexpr = False, EMULATE: tl.constexpr = False):
     if not WORDS: pdl_launch_next(PDL)        # the words path lets the next kernel launch after its loop (below)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -233,19 +281,32 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
         total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             s = tl.load(scales_ptr + offs_n * stride_sn + t)
-            z = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.float32)
-            xk = x_ptr + t * GROUP + 8 * j                                    # [NW]: word j's inputs 8 j + m
-            lo0, hi0 = _bf16_bits(xk), _bf16_bits(xk + 4)                     # pair k: inputs 8 j + k, 8 j + k + 4
-            lo1, hi1 = _bf16_bits(xk + 1), _bf16_bits(xk + 5)
-            lo2, hi2 = _bf16_bits(xk + 2), _bf16_bits(xk + 6)
-            lo3, hi3 = _bf16_bits(xk + 3), _bf16_bits(xk + 7)
-            xsum = (_bits_value(lo0) + _bits_value(hi0) + _bits_value(lo1) + _bits_value(hi1)     # the word's
-                    + _bits_value(lo2) + _bits_value(hi2) + _bits_value(lo3) + _bits_value(hi3))  # inputs, as bf16
-            dot = tl.inline_asm_elementwise(
-                ASM, "=f,r,r,r,r,r", [words, (lo0 | (hi0 << 16))[None, :], (lo1 | (hi1 << 16))[None, :],
-                                      (lo2 | (hi2 << 16))[None, :], (lo3 | (hi3 << 16))[None, :]],
-                dtype=tl.float32, is_pure=True, pack=1)                       # [BLOCK_N, NW]: sum over the word of q x
-            total += dot * s[:, None] - (s * z)[:, None] * xsum[None, :]
+            if ZPAIR:                         # the zero point inside the pairs, the activations read as pairs
+                zb = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.int32) | 0xC300   # bf16 bits of -(128 + z)
+                zp = (zb | (zb << 16))[:, None]                                   # [BLOCK_N, 1]: the pair
+                p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)            # [NW] each
+                if EMULATE:
+                    dot = _pairs_emulated(words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp)
+                else:
+                    dot = tl.inline_asm_elementwise(
+                        ASM, "=f,r,r,r,r,r,r", [words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp],
+                        dtype=tl.float32, is_pure=True, pack=1)               # [BLOCK_N, NW]: sum over the word of (q - z) x
+                total += dot * s[:, None]
+            else:
+                z = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.float32)
+                xk = x_ptr + t * GROUP + 8 * j                                # [NW]: word j's inputs 8 j + m
+                lo0, hi0 = _bf16_bits(xk), _bf16_bits(xk + 4)                 # pair k: inputs 8 j + k, 8 j + k + 4
+                lo1, hi1 = _bf16_bits(xk + 1), _bf16_bits(xk + 5)
+                lo2, hi2 = _bf16_bits(xk + 2), _bf16_bits(xk + 6)
+                lo3, hi3 = _bf16_bits(xk + 3), _bf16_bits(xk + 7)
+                xsum = (_bits_value(lo0) + _bits_value(hi0) + _bits_value(lo1) + _bits_value(hi1)     # the word's
+                        + _bits_value(lo2) + _bits_value(hi2) + _bits_value(lo3) + _bits_value(hi3))  # inputs
+                neg = tl.full([BLOCK_N, 1], -1023360256, tl.int32)            # the pair -128, -128 (`neg_pair()`)
+                dot = tl.inline_asm_elementwise(
+                    ASM, "=f,r,r,r,r,r,r", [words, (lo0 | (hi0 << 16))[None, :], (lo1 | (hi1 << 16))[None, :],
+                                            (lo2 | (hi2 << 16))[None, :], (lo3 | (hi3 << 16))[None, :], neg],
+                    dtype=tl.float32, is_pure=True, pack=1)                   # [BLOCK_N, NW]: sum over the word of q x
+                total += dot * s[:, None] - (s * z)[:, None] * xsum[None, :]
             words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * NW)          # the next tile (the last one again)
         pdl_launch_next(PDL)                  # late, as below
         acc = _sum_last(total, 1)[None, :]                                                         # [1, BLOCK_N]
@@ -451,35 +512,80 @@ def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg:
             and group_size >= 8)
 
 
+def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype, sms: int,
+                config: dict | None = None, pdl: bool = False, interpret: bool = INTERPRET) -> dict:
+    """Everything `quant_gemv` launches `quant_gemv_kernel` with but the tensors: the grid, the tiles per split and
+    the compile-time arguments (`compile_gemv` compiles from it without a GPU)."""
+    bits = _bits(method)
+    cfg = gemv_config(M, N, K, method, group_size, sms, config)
+    words = words_path(M, N, K, method, group_size, cfg)
+    per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
+    half2 = words and bool(cfg.get("HALF2")) and cfg["BLOCK_K"] == group_size and dtype == torch.bfloat16
+    zpair = half2 and bool(cfg.get("ZPAIR"))
+    half2 = half2 and (zpair or not interpret)  # PTX on a GPU (the interpreter emulates ZPAIR's); bf16 activations only
+    pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
+    constexprs = dict(BITS=bits, GROUP=group_size or 1, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
+                      BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"], SPLIT=split_k > 1, PAIRS=cfg["PAIRS"],
+                      EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl, WORDS=words, HALF2=half2,
+                      ASM=(PAIRS_ASM_SHIFT if cfg.get("SHIFT") else PAIRS_ASM) if half2 else "", ZPAIR=zpair,
+                      EMULATE=zpair and interpret)
+    return {"grid": (triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per, "constexprs": constexprs,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": pdl}
+
+
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     "FMA GEMV path: x [T, K] (T <= GEMV_MAX_T on the GPU) -> [T, N] in x's dtype."
     x, z, b = _args(x, qweight, scales, zeros, bias)
     M, K = x.shape
-    N, bits = qweight.shape[0], _bits(method)
+    N = qweight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0: return out
-    cfg = gemv_config(M, N, K, method, group_size, num_sms(x.device),
-                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})})
-    even = N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0
-    words = words_path(M, N, K, method, group_size, cfg)
-    per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
+    run = gemv_launch(M, N, K, method, group_size, x.dtype, num_sms(x.device),
+                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl)
+    c, (n_tiles, split_k) = run["constexprs"], run["grid"]
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
-    q = qweight.view(torch.uint8) if bits == 8 else qweight                 # INT8 read as bytes (see _gemv_tile)
-    if words: q = qweight.view(torch.int32)                                 # INT4 as words of 8 nibbles [N, K / 8]
-    pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
-    half2 = (words and bool(cfg.get("HALF2")) and cfg["BLOCK_K"] == group_size and x.dtype == torch.bfloat16
-             and not INTERPRET)             # PTX, on a GPU; bf16 activations (fp32 and fp16 ones keep their precision)
-    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    q = qweight.view(torch.uint8) if c["BITS"] == 8 else qweight            # INT8 read as bytes (see _gemv_tile)
+    if c["WORDS"]: q = qweight.view(torch.int32)                            # INT4 as words of 8 nibbles [N, K / 8]
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
-    quant_gemv_kernel[(n_tiles, split_k)](
-        x, q, scales, z, b, out, part, counters, M, N, K, per, x.stride(0), q.stride(0), scales.stride(0),
-        out.stride(0), BITS=bits, GROUP=group_size or 1, HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"],
-        SPLIT=split_k > 1, PAIRS=cfg["PAIRS"], EVEN=even, PDL=pdl, WORDS=words, HALF2=half2,
-        ASM=PAIRS_ASM if half2 else "",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
+    quant_gemv_kernel[run["grid"]](
+        x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), q.stride(0),
+        scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **c, num_warps=run["num_warps"],
+        num_stages=run["num_stages"], **launch_options(run["pdl"]))
     return out
+
+
+def compile_gemv(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype = torch.bfloat16,
+                 config: dict | None = None, pdl: bool = True, bias: bool = False, capability: int = 90, sms: int = 132):
+    """Compile the kernel `quant_gemv` launches for x [1, K] on an [N, K] layer, for an NVIDIA GPU of compute
+    `capability`, on any machine (Triton's own ptxas; no GPU): Triton's compiled kernel, with `.asm["ptx"]` and
+    `.asm["cubin"]`. The arguments are specialised as a launch would: ints equal to 1 become constants, and
+    pointers and ints divisible by 16 are marked so. Needs a process started with TRITON_INTERPRET=0."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if INTERPRET: raise RuntimeError("compile_gemv needs TRITON_INTERPRET=0 when nanoserve is imported")
+    run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False)
+    c = {**run["constexprs"], "HAS_BIAS": bias}
+    xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    int4, split = method == "int4", run["grid"][1] > 1
+    ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if c["WORDS"] else "*u8", "scales_ptr": "*fp32",
+            "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32", "out_ptr": xt,
+            "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
+    ints = {"M": 1, "N": N, "K": K, "tiles_per_split": run["tiles_per_split"], "stride_xm": K,
+            "stride_qn": K // 8 if c["WORDS"] else (K // 2 if int4 else K), "stride_sn": K // group_size if int4 else 1,
+            "stride_om": N}
+    names = quant_gemv_kernel.arg_names
+    sig, consts, attrs = {}, {}, {}
+    for i, n in enumerate(names):
+        if n in ptrs: sig[n] = ptrs[n]; attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ints and ints[n] == 1: sig[n] = "constexpr"; consts[(i,)] = 1
+        elif n in ints:
+            sig[n] = "i32"
+            if ints[n] % 16 == 0: attrs[(i,)] = [["tt.divisibility", 16]]
+        else: sig[n] = "constexpr"; consts[(i,)] = c[n]
+    src = ASTSource(fn=quant_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": run["num_warps"], "num_stages": run["num_stages"]})
 
 
 def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,

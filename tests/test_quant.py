@@ -17,7 +17,7 @@ from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, TUNED_GEMV, METHODS, QU
                              QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
-                             quantized_linear_bytes, unpack_int4, weight_bytes, words_path)
+                             quantized_linear_bytes, unpack_int4, weight_bytes, words_path, gemv_launch)
 
 interp = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 
@@ -110,7 +110,6 @@ def test_gemv_matches_reference(method, K, G, dtype):
 
 
 @interp
-@interp
 @pytest.mark.parametrize("G,BLOCK_K,SPLIT_K", [(64, 64, 3), (64, 128, 2), (64, 256, 1), (32, 128, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_words_path_matches_reference(G, BLOCK_K, SPLIT_K, dtype):
@@ -128,6 +127,29 @@ def test_gemv_words_path_matches_reference(G, BLOCK_K, SPLIT_K, dtype):
         assert out.dtype == dtype and rel < (1e-5 if dtype == torch.float32 else 2e-3), rel
         # the packed-pairs (PTX) variant runs on a GPU only: under the interpreter it is the words path, exactly
         assert torch.equal(quant_gemv(x, *packed, bias, "int4", G, config={**cfg, "HALF2": True}), out)
+
+
+@interp
+@pytest.mark.parametrize("G,N,BLOCK_N,SPLIT_K", [(64, 64, 16, 3), (128, 48, 16, 1), (32, 32, 32, 4)])
+def test_gemv_zero_point_pairs_matches_reference(G, N, BLOCK_N, SPLIT_K):
+    """INT4 packed pairs with the zero point inside the pairs (`ZPAIR`): under the interpreter `_pairs_emulated`
+    stands in for the PTX, so the activations read as int32 pairs (`_x_pairs`) and the zero-point pairs are
+    checked here against the reference, in bf16 (the only dtype the path takes)."""
+    K = 512
+    g = torch.Generator().manual_seed(G + N)
+    packed = quantize_int4(torch.randn(N, K, generator=g) * 0.05, G)
+    assert packed[2].unique().numel() > 4                                   # zero points that differ
+    cfg = {"WORDS": True, "HALF2": True, "ZPAIR": True, "BLOCK_N": BLOCK_N, "BLOCK_K": G, "SPLIT_K": SPLIT_K}
+    assert gemv_launch(1, N, K, "int4", G, torch.bfloat16, 132, cfg)["constexprs"]["EMULATE"]
+    for bias in (None, torch.randn(N, generator=g).to(torch.bfloat16)):
+        x = (torch.randn(1, K, generator=g) * 4).to(torch.bfloat16)
+        ref = quant_matmul_ref(x.float(), *packed, bias, "int4", G)
+        for _ in range(2):                                                  # the split counters are reused
+            out = quant_gemv(x, *packed, bias, "int4", G, config=cfg)
+            rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            assert out.dtype == torch.bfloat16 and rel < 8e-3, rel          # the output's bf16 rounding
+        shifted = (packed[0], packed[1], (packed[2].int() + 1).clamp(max=15).to(packed[2].dtype))
+        assert not torch.equal(quant_gemv(x, *shifted, bias, "int4", G, config=cfg), out)  # z is read
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -354,32 +376,42 @@ def test_import_without_interpret_on_cpu():
 
 
 HALF2_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import nanoserve.quant as Q
-ints = ("M", "N", "K", "tiles_per_split", "stride_xm", "stride_qn", "stride_sn", "stride_om")
-sig = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*fp32", "zeros_ptr": "*u8", "bias_ptr": "*bf16",
-       "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", **{n: "i32" for n in ints}}
-cons = dict(BITS=4, GROUP=128, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, SUB_K=128, SPLIT=True,
-            PAIRS=False, EVEN=True, PDL=True, WORDS=True, HALF2=True, ASM=Q.PAIRS_ASM)
-sig.update({c: "constexpr" for c in cons})
-names = list(sig)
-src = ASTSource(fn=Q.quant_gemv_kernel, signature=sig, constexprs={(names.index(c),): v for c, v in cons.items()})
-cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-print(len(cc.asm["cubin"]), cc.asm["ptx"].count("lop3.b32"), cc.asm["ptx"].count("fma.rn.bf16x2"))
+for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}):
+    cfg = {**cfg, "BLOCK_N": 64, "num_warps": 4}
+    cc = Q.compile_gemv(3584, 3584, "int4", 128, config=cfg)
+    ptx = cc.asm["ptx"]
+    print(len(cc.asm["cubin"]), ptx.count("lop3.b32"), ptx.count("fma.rn.bf16x2"), ptx.count("cvt.f32.bf16"))
 """
 
 
 def test_half2_ptx_compiles_for_hopper():
-    "The packed-pairs path's inline PTX, compiled for sm_90 on the CPU (Triton's ptxas): it runs on a GPU only."
+    """The packed-pairs path's inline PTX in its four forms (shipped; zero point in the pairs; lanes by shift; both),
+    compiled for sm_90 on the CPU (Triton's ptxas) with what `quant_gemv` would launch: it runs on a GPU only."""
     import subprocess, sys
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", HALF2_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    cubin, lop3, fma = map(int, r.stdout.split())
-    # 64 channels x 16 words over 128 threads: 8 words a thread, each 4 lop3 and 8 packed multiply-adds
-    assert cubin > 0 and (lop3, fma) == (32, 64)
+    rows = [tuple(map(int, line.split())) for line in r.stdout.split("\n") if line.strip()]
+    # 64 channels x 16 words over 128 threads: 8 words a thread, each 4 lop3 and 8 packed multiply-adds, and two
+    # cvt per word unless the lanes are taken by a shift and a mask
+    assert [row[1:] for row in rows] == [(32, 64, 16), (32, 64, 16), (32, 64, 0), (32, 64, 0)], rows
+    assert all(row[0] > 0 for row in rows)
+
+
+def test_gemv_launch_matches_the_rules():
+    "What `compile_gemv` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
+    from nanoserve.quant import gemv_launch, PAIRS_ASM, PAIRS_ASM_SHIFT
+    gpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=False)
+    assert gpu["constexprs"]["HALF2"] and gpu["constexprs"]["ASM"] == PAIRS_ASM and not gpu["constexprs"]["ZPAIR"]
+    cpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=True)
+    assert not cpu["constexprs"]["HALF2"] and cpu["constexprs"]["ASM"] == ""       # no PTX under the interpreter
+    z = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, {"ZPAIR": True, "SHIFT": True}, interpret=True)
+    assert z["constexprs"]["ZPAIR"] and z["constexprs"]["EMULATE"] and z["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
+    f = gemv_launch(1, 3584, 3584, "int4", 128, torch.float32, 132, {"ZPAIR": True}, interpret=False)
+    assert not (f["constexprs"]["HALF2"] or f["constexprs"]["ZPAIR"])               # fp32 activations: no pairs
+    assert gpu["grid"] == (3584 // 64, 14) and gpu["pdl"] is False                  # the tuned table; pdl asked: no
+    assert gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, pdl=True, interpret=False)["pdl"]
 
 
 # -- through the engine ---------------------------------------------------------------------------------------
