@@ -26,7 +26,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    the control (`--control row_gemv`: `row_gemv=False`, cuBLAS; `--control pdl`: `pdl=False`, no programmatic
    dependent launch), 0.5B at batch 1, 8, 64 and 7B at batch 1; rate7bq: the 7B at batch 1 quantized, INT8 and
    INT4, with the defaults and the control, and the module-level controls "int8 gemv only" (no tensor-core GEMM
-   at one row), "int4 no words" (the table from before the words path), "int4 no pairs" (the words path in fp32);
+   at one row), "int4 no words" (the table from before the words path), "int4 no pairs" (the words path in fp32),
+   "int4 table" (the package's INT4 table, whatever `int4words` kept earlier in the run);
 7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
    programmatic dependent launch;
 8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM; int4words: the 7B INT4
@@ -47,12 +48,13 @@ from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
 from nanoserve.engine import StepLedger                      # noqa: E402
 from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
 from nanoserve.attention import choose_num_splits as ORIGINAL_SPLITS   # noqa: E402
-from nanoserve.quant import FEW_ROWS_GEMM, GEMV_OVERRIDES            # noqa: E402
+from nanoserve.quant import FEW_ROWS_GEMM, GEMV_OVERRIDES, TUNED_GEMV  # noqa: E402
 
 ORIGINAL_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)
 # INT4 one-row configs: the package's (words of nibbles; the int4words part updates them), and the tuned table
 # before the words path (git 5b2a79f, quant_h200.json), the control
 INT4_WORDS = {k: v for k, v in GEMV_OVERRIDES.items() if k[0] == "int4"}
+INT4_TABLE = {k: dict(v) for k, v in TUNED_GEMV.items() if k[0] == "int4"}     # the package's, whatever a sweep keeps
 INT4_BEFORE_WORDS = {("int4", *map(int, k.split()[1].split("x"))): v for k, v in json.loads(
     (Path(__file__).parent.parent / "figures/data/quant_h200.json").read_text())["gemv_overrides"].items()
     if k.startswith("int4")}
@@ -70,6 +72,11 @@ def with_decode_merge(in_kernel: bool, splits: int | None = None):
 def with_words(on: bool):
     "INT4 one-row GEMV configs: words of nibbles (now), or the tuned table from before them (the control)."
     GEMV_OVERRIDES.update(INT4_WORDS if on else INT4_BEFORE_WORDS)
+
+
+def with_int4_table(on: bool):
+    "The package's INT4 one-row table (the control of what `int4words` kept in this run)."
+    if on: GEMV_OVERRIDES.update(INT4_TABLE)
 
 
 def with_pairs(on: bool):
@@ -91,6 +98,7 @@ def patched(cname: str):
     with_decode_merge(not cname.startswith("reduce kernel"), int(cname.split()[1]) if cname.startswith("splits ") else None)
     with_few_rows_gemm(not cname.endswith("gemv only"))
     with_words(not cname.endswith("no words"))
+    with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
 
 
@@ -368,15 +376,18 @@ def quant_one_row(res, budget_s=60.0):
 
 def int4_words(res, budget_s=100.0):
     """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
-    launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile) over tile blocks and
-    splits, against the table as it was; and the INT8
+    launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
+    inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`; the budget is spent on
+    them in that order) over tile blocks and splits, against the table as it was; and the INT8
     QKV and output projections over blocks, warps and splits against theirs. A faster config goes into
     GEMV_OVERRIDES (for the parts after it) and is recorded."""
     from nanoserve.quant import gemv_config, quant_gemv, quant_matmul_ref
     rows = res.setdefault("int4_words", [])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pairs = ((True, False, True), (True, True, True), (True, False, False), (True, True, False), (False, False, False))
     int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False,
-             "HALF2": h2} for h2 in (True, False) for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8)
+             "HALF2": h2, "ZPAIR": zp, "SHIFT": sh} for h2, sh, zp in pairs for bk in (128, 256, 512)
+            for n in (64, 128, 256) for w in (4, 8)
             if n * bk <= 65536 and not (h2 and bk != 128)]          # the packed-pairs path takes a group a tile
     int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 3, "PAIRS": True}
             for bk in (128, 256) for n in (16, 32, 64) for w in (4, 8)]
@@ -464,7 +475,7 @@ def main():
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
-        ("int4 no pairs", {"quantization": "int4"}))
+        ("int4 no pairs", {"quantization": "int4"}), ("int4 table", {"quantization": "int4"}))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),

@@ -544,6 +544,7 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     run = gemv_launch(M, N, K, method, group_size, x.dtype, num_sms(x.device),
                       {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl)
     c, (n_tiles, split_k) = run["constexprs"], run["grid"]
+    if c["ZPAIR"] and x.data_ptr() % 4: x = x.clone()                       # read as int32 pairs: 4-byte aligned
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if c["BITS"] == 8 else qweight            # INT8 read as bytes (see _gemv_tile)
     if c["WORDS"]: q = qweight.view(torch.int32)                            # INT4 as words of 8 nibbles [N, K / 8]

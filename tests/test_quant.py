@@ -150,6 +150,10 @@ def test_gemv_zero_point_pairs_matches_reference(G, N, BLOCK_N, SPLIT_K):
             assert out.dtype == torch.bfloat16 and rel < 8e-3, rel          # the output's bf16 rounding
         shifted = (packed[0], packed[1], (packed[2].int() + 1).clamp(max=15).to(packed[2].dtype))
         assert not torch.equal(quant_gemv(x, *shifted, bias, "int4", G, config=cfg), out)  # z is read
+    wide = torch.zeros(1, K + 1, dtype=torch.bfloat16)
+    wide[:, 1:] = x
+    view = wide[:, 1:]                                                      # 2 bytes past an int32 boundary
+    assert view.data_ptr() % 4 and torch.equal(quant_gemv(view, *packed, bias, "int4", G, config=cfg), out)
 
 
 @pytest.mark.parametrize("method", METHODS)
