@@ -78,6 +78,13 @@ def main_loop(sass: str) -> tuple[list, list]:
 def family(op: str) -> str: return op.split(".")[0]
 
 
+def source_text(src: str) -> str:
+    "The text of a 'file:line' of the package (the SASS's line info), stripped."
+    name, line = src.rsplit(":", 1)
+    path = Path(__file__).parent.parent / "nanoserve" / name
+    return path.read_text().splitlines()[int(line) - 1].strip() if path.exists() else ""
+
+
 def count(N: int, K: int, name: str) -> dict:
     method, cfg = VARIANTS[name]
     group = 128 if method == "int4" else None
@@ -99,7 +106,8 @@ def count(N: int, K: int, name: str) -> dict:
             "loop_instructions": len(loop), "weights_per_thread_per_trip": per_trip,
             "loop_instructions_per_weight": round(len(loop) / per_trip, 3),
             "loop_opcodes": dict(Counter(family(i[1]) for i in loop).most_common()),
-            "loop_by_source_line": dict(Counter(i[2] for i in loop).most_common()),
+            "loop_by_source_line": [{"line": src, "instructions": n, "code": source_text(src)}
+                                    for src, n in Counter(i[2] for i in loop).most_common()],
             "kernel_instructions": len(ins),
             "estimated_warp_instructions": estimate,
             "estimated_instructions_per_weight": round(estimate * 32 / (N * K), 3)}
