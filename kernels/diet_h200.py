@@ -377,18 +377,20 @@ def quant_one_row(res, budget_s=60.0):
 def int4_words(res, budget_s=100.0):
     """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
     launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
-    inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`; the budget is spent on
-    them in that order) over tile blocks and splits, against the table as it was; and the INT8
+    inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`, or dequantized the same
+    way for the tensor cores (`DOT`); the budget is spent on them in that order) over tile blocks and splits,
+    against the table as it was; and the INT8
     QKV and output projections over blocks, warps and splits against theirs. A faster config goes into
     GEMV_OVERRIDES (for the parts after it) and is recorded."""
     from nanoserve.quant import gemv_config, quant_gemv, quant_matmul_ref
     rows = res.setdefault("int4_words", [])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pairs = ((True, False, True), (True, True, True), (True, False, False), (True, True, False), (False, False, False))
-    int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False,
-             "HALF2": h2, "ZPAIR": zp, "SHIFT": sh} for h2, sh, zp in pairs for bk in (128, 256, 512)
-            for n in (64, 128, 256) for w in (4, 8)
-            if n * bk <= 65536 and not (h2 and bk != 128)]          # the packed-pairs path takes a group a tile
+    kinds = ({"HALF2": True, "ZPAIR": True}, {"HALF2": True, "ZPAIR": True, "SHIFT": True}, {"HALF2": True},
+             {"HALF2": True, "SHIFT": True}, {"HALF2": True, "DOT": True}, {"HALF2": False})
+    int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False, **kind}
+            for kind in kinds for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8)
+            if n * bk <= 65536 and not (kind["HALF2"] and bk != 128)    # the packed paths take a group a tile
+            and not (kind.get("DOT") and n > 128)]                       # 256 channels: out of registers
     int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 3, "PAIRS": True}
             for bk in (128, 256) for n in (16, 32, 64) for w in (4, 8)]
     for method in ("int4", "int8"):

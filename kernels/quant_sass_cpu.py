@@ -33,6 +33,9 @@ VARIANTS = {                                        # name -> (method, config ov
     "int4 pairs, lanes by shift": ("int4", {"SHIFT": True}),
     "int4 zero point in pairs": ("int4", {"ZPAIR": True}),
     "int4 zero point in pairs, lanes by shift": ("int4", {"ZPAIR": True, "SHIFT": True}),
+    # like for like, 64 channels and 4 warps a program: the packed pairs against the tensor cores (`DOT`)
+    "int4 zero point in pairs, 64x4": ("int4", {"ZPAIR": True, "BLOCK_N": 64, "num_warps": 4}),
+    "int4 tensor cores, 64x4": ("int4", {"DOT": True, "BLOCK_N": 64, "num_warps": 4}),
 }
 REGS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32      # sm_90
 
@@ -98,7 +101,7 @@ def count(N: int, K: int, name: str) -> dict:
     programs = run["grid"][0] * run["grid"][1]
     by_regs = REGS_PER_SM // (usage["REG"] * threads)
     estimate = (len(ins) - len(loop) + len(loop) * trips) * run["num_warps"] * programs   # warp instructions
-    return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS")}
+    return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS", "DOT")}
             | {"num_warps": run["num_warps"], "grid": list(run["grid"]), "tiles_per_split": run["tiles_per_split"],
                "shift_lanes": bool(cfg.get("SHIFT"))},
             "registers": usage["REG"], "shared_bytes": usage.get("SHARED", 0),

@@ -26,12 +26,12 @@ from .fused import _sum_last, finish_split, split_tiles
 METHODS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['METHODS', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T', 'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM',
-           'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4',
-           'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel',
-           'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv',
-           'compile_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
-           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+__all__ = ['METHODS', 'DEQUANT_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T', 'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES',
+           'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4',
+           'quantize_int4', 'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel',
+           'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path',
+           'gemv_launch', 'quant_gemv', 'compile_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes',
+           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #25ab2bb9
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +130,20 @@ def _pairs_asm(bf16: bool = True, shift: bool = False) -> str:
     return "{\n" + "\n".join(regs + tuple(lines)) + "\n}"
 
 
+def _dequant_asm() -> str:
+    """PTX: one int32 word of 8 nibbles ($8) and the pair -(128 + z) ($9) -> the 8 weights q - z as bf16 ($0-$7,
+    $m = nibble m), exactly: the nibble trick and one packed add per two weights, for the tensor cores (`DOT`)."""
+    lines = ["mov.b32 mk, 0x000F000F;", "mov.b32 mg, 0x43004300;", "mov.b32 on, 0x3F803F80;", "mov.b32 w0, $8;"]
+    for k in (1, 2, 3): lines.append(f"shr.u32 w{k}, $8, {4 * k};")
+    for k in range(4): lines.append(f"lop3.b32 t{k}, w{k}, mk, mg, 0xEA;")          # (w & mk) | mg: 128 + q
+    for k in range(4): lines.append(f"fma.rn.bf16x2 t{k}, t{k}, on, $9;")           # q - z, nibbles k and k + 4
+    for k in range(4): lines.append(f"mov.b32 {{${k}, ${k + 4}}}, t{k};")
+    return "{\n" + "\n".join((".reg .b32 w0, w1, w2, w3, t0, t1, t2, t3, mk, mg, on;",) + tuple(lines)) + "\n}"
+
+
+DEQUANT_ASM = tl.constexpr(_dequant_asm())     # a constexpr: the kernel reads it as a global
+
+
 def neg_pair(bf16: bool = True) -> int:
     "The int32 bits of the pair -(2^e) -(2^e) (`_pairs_asm`'s $6 for z = 0): -128 in bf16, -1024 in fp16."
     return (0xC300C300 if bf16 else 0xE400E400) - (1 << 32)
@@ -174,6 +188,28 @@ def _pair_term(w, p, zlo, zhi):
     tlo = _bits_value((w & 15) | 0x4300) + zlo                                  # 128 + q - (128 + z)
     thi = _bits_value(((w >> 16) & 15) | 0x4300) + zhi
     return tlo * _bits_value(p & 0xFFFF) + thi * _bits_value((p >> 16) & 0xFFFF)
+
+
+@triton.jit
+def _dequant_words(words, zp, EMULATE: tl.constexpr):
+    """INT4 words [BLOCK_N, NW] and the zero-point pairs [BLOCK_N, 1] -> the weights q - z [BLOCK_N, NW * 8] in
+    input order (8 j + m), bf16 from `DEQUANT_ASM` on a GPU, fp32 under the interpreter (its stand-in)."""
+    if EMULATE:
+        z = -(_bits_value(zp & 0xFFFF) + 128.0)                                 # -(128 + z) -> z
+        w0 = ((words & 15).to(tl.float32) - z)
+        w1 = (((words >> 4) & 15).to(tl.float32) - z)
+        w2 = (((words >> 8) & 15).to(tl.float32) - z)
+        w3 = (((words >> 12) & 15).to(tl.float32) - z)
+        w4 = (((words >> 16) & 15).to(tl.float32) - z)
+        w5 = (((words >> 20) & 15).to(tl.float32) - z)
+        w6 = (((words >> 24) & 15).to(tl.float32) - z)
+        w7 = (((words >> 28) & 15).to(tl.float32) - z)
+    else:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+            DEQUANT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # each join adds a last axis, so the first join's axis ends up most significant: m = 4 a + 2 b + c
+    w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))  # [BN, NW, a, b, c]
+    return tl.reshape(w, (w.shape[0], w.shape[1] * 8))                        # [BLOCK_N, NW * 8]: input 8 j + m
 
 
 @triton.jit
@@ -250,7 +286,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
-                      ZPAIR: tl.constexpr = False, EMULATE: tl.constexpr = False):
+                      ZPAIR: tl.constexpr = False, EMULATE: tl.constexpr = False, DOT: tl.constexpr = False):
     if not WORDS: pdl_launch_next(PDL)        # the words path lets the next kernel launch after its loop (below)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -272,6 +308,26 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
             w = (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             tile += w * tl.load(x_ptr + kk).to(tl.float32)[None, :]
         acc = _sum_last(tile, 1)[None, :]                                                          # [1, BLOCK_N]
+    elif WORDS and DOT:                       # INT4 words, a tile a group, on the tensor cores (16-row tiles)
+        NW: tl.constexpr = GROUP // 8
+        j = tl.arange(0, NW)
+        rows = tl.arange(0, 16)
+        kg = tl.arange(0, GROUP)
+        wp = qweight_ptr + offs_n[:, None] * stride_qn + j[None, :]          # [BLOCK_N, NW]
+        words = tl.load(wp + t_begin * NW)                                    # the first tile: before the wait
+        pdl_wait(PDL)
+        acc16 = tl.full([16, BLOCK_N], 0.0, tl.float32)
+        for t in range(t_begin, t_end):
+            s = tl.load(scales_ptr + offs_n * stride_sn + t)
+            zb = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.int32) | 0xC300   # bf16 bits of -(128 + z)
+            w = _dequant_words(words, (zb | (zb << 16))[:, None], EMULATE)   # [BLOCK_N, GROUP]: q - z
+            xt = tl.load(x_ptr + (t * GROUP + kg)[None, :] + 0 * rows[:, None], mask=(rows == 0)[:, None],
+                         other=0.0)                                           # [16, GROUP]: the row, then zeros
+            if EMULATE: xt = xt.to(tl.float32)
+            acc16 += tl.dot(xt, tl.trans(w)) * s[None, :]                     # [16, BLOCK_N]
+            words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * NW)          # the next tile (the last one again)
+        pdl_launch_next(PDL)
+        acc = _sum_last(tl.trans(acc16), 1)[None, :]                          # [1, BLOCK_N]: row 0 (the rest are 0)
     elif WORDS and HALF2:                     # INT4 words, a tile a group, two weights an instruction (PTX)
         NW: tl.constexpr = GROUP // 8
         j = tl.arange(0, NW)
@@ -521,14 +577,15 @@ def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dty
     words = words_path(M, N, K, method, group_size, cfg)
     per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
     half2 = words and bool(cfg.get("HALF2")) and cfg["BLOCK_K"] == group_size and dtype == torch.bfloat16
-    zpair = half2 and bool(cfg.get("ZPAIR"))
-    half2 = half2 and (zpair or not interpret)  # PTX on a GPU (the interpreter emulates ZPAIR's); bf16 activations only
+    dot = half2 and bool(cfg.get("DOT"))        # the tensor-core words path (bf16, a group a tile)
+    zpair = half2 and bool(cfg.get("ZPAIR")) and not dot
+    half2 = half2 and (zpair or dot or not interpret)  # PTX on a GPU (the interpreter emulates ZPAIR's and DOT's)
     pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
     constexprs = dict(BITS=bits, GROUP=group_size or 1, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"], SPLIT=split_k > 1, PAIRS=cfg["PAIRS"],
                       EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl, WORDS=words, HALF2=half2,
                       ASM=(PAIRS_ASM_SHIFT if cfg.get("SHIFT") else PAIRS_ASM) if half2 else "", ZPAIR=zpair,
-                      EMULATE=zpair and interpret)
+                      EMULATE=(zpair or dot) and interpret, DOT=dot)
     return {"grid": (triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per, "constexprs": constexprs,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": pdl}
 

@@ -130,16 +130,18 @@ def test_gemv_words_path_matches_reference(G, BLOCK_K, SPLIT_K, dtype):
 
 
 @interp
+@pytest.mark.parametrize("extra", [{}, {"DOT": True}], ids=["zpair", "dot"])
 @pytest.mark.parametrize("G,N,BLOCK_N,SPLIT_K", [(64, 64, 16, 3), (128, 48, 16, 1), (32, 32, 32, 4)])
-def test_gemv_zero_point_pairs_matches_reference(G, N, BLOCK_N, SPLIT_K):
-    """INT4 packed pairs with the zero point inside the pairs (`ZPAIR`): under the interpreter `_pairs_emulated`
-    stands in for the PTX, so the activations read as int32 pairs (`_x_pairs`) and the zero-point pairs are
-    checked here against the reference, in bf16 (the only dtype the path takes)."""
+def test_gemv_zero_point_pairs_matches_reference(G, N, BLOCK_N, SPLIT_K, extra):
+    """INT4 packed pairs with the zero point inside the pairs (`ZPAIR`), or dequantized by the same trick for the
+    tensor cores (`DOT`): under the interpreter `_pairs_emulated` / `_dequant_words` stand in for the PTX, so the
+    loads, the activation pairs (`_x_pairs`), the zero-point pairs and the nibble order are checked here against
+    the reference, in bf16 (the only dtype the paths take)."""
     K = 512
     g = torch.Generator().manual_seed(G + N)
     packed = quantize_int4(torch.randn(N, K, generator=g) * 0.05, G)
     assert packed[2].unique().numel() > 4                                   # zero points that differ
-    cfg = {"WORDS": True, "HALF2": True, "ZPAIR": True, "BLOCK_N": BLOCK_N, "BLOCK_K": G, "SPLIT_K": SPLIT_K}
+    cfg = {"WORDS": True, "HALF2": True, "ZPAIR": True, "BLOCK_N": BLOCK_N, "BLOCK_K": G, "SPLIT_K": SPLIT_K, **extra}
     assert gemv_launch(1, N, K, "int4", G, torch.bfloat16, 132, cfg)["constexprs"]["EMULATE"]
     for bias in (None, torch.randn(N, generator=g).to(torch.bfloat16)):
         x = (torch.randn(1, K, generator=g) * 4).to(torch.bfloat16)
@@ -381,26 +383,29 @@ def test_import_without_interpret_on_cpu():
 
 HALF2_COMPILE = """
 import nanoserve.quant as Q
-for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}):
+for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}, {"DOT": True}):
     cfg = {**cfg, "BLOCK_N": 64, "num_warps": 4}
     cc = Q.compile_gemv(3584, 3584, "int4", 128, config=cfg)
     ptx = cc.asm["ptx"]
-    print(len(cc.asm["cubin"]), ptx.count("lop3.b32"), ptx.count("fma.rn.bf16x2"), ptx.count("cvt.f32.bf16"))
+    print(len(cc.asm["cubin"]), ptx.count("lop3.b32"), ptx.count("fma.rn.bf16x2"), ptx.count("cvt.f32.bf16"),
+          ptx.count("mma.sync"))
 """
 
 
 def test_half2_ptx_compiles_for_hopper():
-    """The packed-pairs path's inline PTX in its four forms (shipped; zero point in the pairs; lanes by shift; both),
-    compiled for sm_90 on the CPU (Triton's ptxas) with what `quant_gemv` would launch: it runs on a GPU only."""
+    """The packed-pairs path's inline PTX in its four forms (shipped; zero point in the pairs; lanes by shift; both)
+    and the tensor-core words path, compiled for sm_90 on the CPU (Triton's ptxas) with what `quant_gemv` would
+    launch: they run on a GPU only."""
     import subprocess, sys
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", HALF2_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [tuple(map(int, line.split())) for line in r.stdout.split("\n") if line.strip()]
     # 64 channels x 16 words over 128 threads: 8 words a thread, each 4 lop3 and 8 packed multiply-adds, and two
-    # cvt per word unless the lanes are taken by a shift and a mask
-    assert [row[1:] for row in rows] == [(32, 64, 16), (32, 64, 16), (32, 64, 0), (32, 64, 0)], rows
-    assert all(row[0] > 0 for row in rows)
+    # cvt per word unless the lanes are taken by a shift and a mask; the tensor cores: 4 lop3 and 4 packed adds a
+    # word, and the mma instructions
+    assert [row[1:4] for row in rows] == [(32, 64, 16), (32, 64, 16), (32, 64, 0), (32, 64, 0), (32, 32, 0)], rows
+    assert all(row[0] > 0 for row in rows) and [row[4] > 0 for row in rows] == [False] * 4 + [True]
 
 
 def test_gemv_launch_matches_the_rules():
