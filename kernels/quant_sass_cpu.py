@@ -2,8 +2,8 @@
 
 Run on any machine from the repo root (no GPU: Triton's own ptxas and nvdisasm compile and disassemble for sm_90):
     PYTHONPATH=. python kernels/quant_sass_cpu.py --out figures/data
-For each 7B projection and each variant of the kernel, `nanoserve.quant.compile_gemv` compiles exactly what
-`quant_gemv` would launch at one row; the script disassembles it, finds the main loop (the largest backward
+For each 7B projection and each variant of the kernel, `nanoserve.quant.compile_one_row` compiles exactly what
+`quant_gemv` (or `quant_gemm`, for the layers `FEW_ROWS_GEMM` sends to the tensor cores) would launch at one row; the script disassembles it, finds the main loop (the largest backward
 branch), and writes to quant_sass_cpu.json: registers a thread, the programs a multiprocessor can hold by
 registers, the loop's instructions by opcode, the weights a thread handles per trip, the loop's instructions per
 weight, and a whole-kernel estimate (instructions outside the loop once, the loop times its trips). The INT8
@@ -22,7 +22,7 @@ import torch
 import triton
 
 from nanoserve.bench import run_meta
-from nanoserve.quant import compile_gemv, gemv_launch
+from nanoserve.quant import FEW_ROWS_GEMM, compile_one_row, gemm_launch, gemv_launch
 
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 LAYERS_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
@@ -33,6 +33,7 @@ VARIANTS = {                                        # name -> (method, config ov
     "int4 pairs, lanes by shift": ("int4", {"SHIFT": True}),
     "int4 zero point in pairs": ("int4", {"ZPAIR": True}),
     "int4 zero point in pairs, lanes by shift": ("int4", {"ZPAIR": True, "SHIFT": True}),
+    "int8 tensor-core GEMM (FEW_ROWS_GEMM)": ("int8", "gemm"),   # the engine's INT8 gate/up and down at one row
     # like for like, 64 channels and 4 warps a program: the packed pairs against the tensor cores (`DOT`)
     "int4 zero point in pairs, 64x4": ("int4", {"ZPAIR": True, "BLOCK_N": 64, "num_warps": 4}),
     "int4 tensor cores, 64x4": ("int4", {"DOT": True, "BLOCK_N": 64, "num_warps": 4}),
@@ -91,19 +92,25 @@ def source_text(src: str) -> str:
 def count(N: int, K: int, name: str) -> dict:
     method, cfg = VARIANTS[name]
     group = 128 if method == "int4" else None
-    run = gemv_launch(1, N, K, method, group, torch.bfloat16, 132, cfg, pdl=True, interpret=False)
-    c = run["constexprs"]
-    sass, usage = disassemble(compile_gemv(N, K, method, group, torch.bfloat16, cfg, pdl=True).asm["cubin"])
+    gemm = cfg == "gemm"
+    if gemm:
+        cfg = FEW_ROWS_GEMM[(method, N, K)]
+        run = gemm_launch(1, N, K, method, group, 132, cfg, interpret=False)
+    else:
+        run = gemv_launch(1, N, K, method, group, torch.bfloat16, 132, cfg, pdl=True, interpret=False)
+    c = {"WORDS": False, "HALF2": False, "ZPAIR": False, "DOT": False, "EVEN": False} | run["constexprs"]
+    cc = compile_one_row(N, K, method, group, torch.bfloat16, cfg, pdl=True, gemm=gemm)
+    sass, usage = disassemble(cc.asm["cubin"])
     loop, ins = main_loop(sass)
     threads = 32 * run["num_warps"]
     per_trip = c["BLOCK_N"] * c["BLOCK_K"] // threads                     # weights a thread handles per trip
-    trips = run["tiles_per_split"] - (1 if method == "int8" and c["EVEN"] else 0)   # INT8 peels its first tile
-    programs = run["grid"][0] * run["grid"][1]
+    trips = run["tiles_per_split"] - (1 if method == "int8" and c["EVEN"] and not gemm else 0)  # the INT8 GEMV peels one
+    programs = int(torch.tensor(run["grid"]).prod())
     by_regs = REGS_PER_SM // (usage["REG"] * threads)
     estimate = (len(ins) - len(loop) + len(loop) * trips) * run["num_warps"] * programs   # warp instructions
     return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS", "DOT")}
             | {"num_warps": run["num_warps"], "grid": list(run["grid"]), "tiles_per_split": run["tiles_per_split"],
-               "shift_lanes": bool(cfg.get("SHIFT"))},
+               "shift_lanes": bool(cfg.get("SHIFT")), "kernel": "quant_gemm_kernel" if gemm else "quant_gemv_kernel"},
             "registers": usage["REG"], "shared_bytes": usage.get("SHARED", 0),
             "programs_per_sm_by_registers": min(by_regs, MAX_PROGRAMS_PER_SM, MAX_WARPS_PER_SM // run["num_warps"]),
             "loop_instructions": len(loop), "weights_per_thread_per_trip": per_trip,
@@ -129,7 +136,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="figures/data")
     args = ap.parse_args()
-    rows = [count(N, K, name) for N, K in LAYERS_7B.values() for name in VARIANTS]
+    rows = [count(N, K, name) for N, K in LAYERS_7B.values() for name in VARIANTS
+            if VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in FEW_ROWS_GEMM]
     for r in rows:
         print(f"{r['layer_N_K']!s:>14} {r['variant']:<42} regs {r['registers']:>3} ({r['programs_per_sm_by_registers']} "
               f"programs/SM)  loop {r['loop_instructions']:>4} / {r['weights_per_thread_per_trip']:>3} weights = "

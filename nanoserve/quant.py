@@ -30,8 +30,8 @@ __all__ = ['METHODS', 'DEQUANT_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T
            'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4',
            'quantize_int4', 'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel',
            'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path',
-           'gemv_launch', 'quant_gemv', 'compile_gemv', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes',
-           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'quant_matmul', 'QuantLinear',
+           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #5257751c
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -571,7 +571,7 @@ def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg:
 def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype, sms: int,
                 config: dict | None = None, pdl: bool = False, interpret: bool = INTERPRET) -> dict:
     """Everything `quant_gemv` launches `quant_gemv_kernel` with but the tensors: the grid, the tiles per split and
-    the compile-time arguments (`compile_gemv` compiles from it without a GPU)."""
+    the compile-time arguments (`compile_one_row` compiles from it without a GPU)."""
     bits = _bits(method)
     cfg = gemv_config(M, N, K, method, group_size, sms, config)
     words = words_path(M, N, K, method, group_size, cfg)
@@ -613,37 +613,49 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     return out
 
 
-def compile_gemv(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype = torch.bfloat16,
-                 config: dict | None = None, pdl: bool = True, bias: bool = False, capability: int = 90, sms: int = 132):
-    """Compile the kernel `quant_gemv` launches for x [1, K] on an [N, K] layer, for an NVIDIA GPU of compute
-    `capability`, on any machine (Triton's own ptxas; no GPU): Triton's compiled kernel, with `.asm["ptx"]` and
-    `.asm["cubin"]`. The arguments are specialised as a launch would: ints equal to 1 become constants, and
-    pointers and ints divisible by 16 are marked so. Needs a process started with TRITON_INTERPRET=0."""
+def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype = torch.bfloat16,
+                    config: dict | None = None, pdl: bool = True, bias: bool = False, gemm: bool = False,
+                    capability: int = 90, sms: int = 132):
+    """Compile the kernel `quant_gemv` (or, with `gemm`, `quant_gemm`) launches for x [1, K] on an [N, K] layer, for
+    an NVIDIA GPU of compute `capability`, on any machine (Triton's own ptxas; no GPU): Triton's compiled kernel,
+    with `.asm["ptx"]` and `.asm["cubin"]`. The arguments are specialised as a launch would: ints equal to 1
+    become constants, and pointers and ints divisible by 16 are marked so. Needs TRITON_INTERPRET=0 at import."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    if INTERPRET: raise RuntimeError("compile_gemv needs TRITON_INTERPRET=0 when nanoserve is imported")
-    run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False)
+    if INTERPRET: raise RuntimeError("compile_one_row needs TRITON_INTERPRET=0 when nanoserve is imported")
+    if gemm: run, kernel = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False), quant_gemm_kernel
+    else: run, kernel = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False), quant_gemv_kernel
     c = {**run["constexprs"], "HAS_BIAS": bias}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    int4, split = method == "int4", run["grid"][1] > 1
-    ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if c["WORDS"] else "*u8", "scales_ptr": "*fp32",
-            "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32", "out_ptr": xt,
-            "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
+    int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False)
+    ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
+            "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
+            "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
     ints = {"M": 1, "N": N, "K": K, "tiles_per_split": run["tiles_per_split"], "stride_xm": K,
-            "stride_qn": K // 8 if c["WORDS"] else (K // 2 if int4 else K), "stride_sn": K // group_size if int4 else 1,
+            "stride_qn": K // 8 if words else (K // 2 if int4 else K), "stride_sn": K // group_size if int4 else 1,
             "stride_om": N}
-    names = quant_gemv_kernel.arg_names
     sig, consts, attrs = {}, {}, {}
-    for i, n in enumerate(names):
+    for i, n in enumerate(kernel.arg_names):
         if n in ptrs: sig[n] = ptrs[n]; attrs[(i,)] = [["tt.divisibility", 16]]
         elif n in ints and ints[n] == 1: sig[n] = "constexpr"; consts[(i,)] = 1
         elif n in ints:
             sig[n] = "i32"
             if ints[n] % 16 == 0: attrs[(i,)] = [["tt.divisibility", 16]]
         else: sig[n] = "constexpr"; consts[(i,)] = c[n]
-    src = ASTSource(fn=quant_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": run["num_warps"], "num_stages": run["num_stages"]})
+
+
+def gemm_launch(M: int, N: int, K: int, method: str, group_size: int | None, sms: int, config: dict | None = None,
+                interpret: bool = INTERPRET) -> dict:
+    "Everything `quant_gemm` launches `quant_gemm_kernel` with but the tensors (as `gemv_launch`)."
+    cfg = gemm_config(M, N, K, method, group_size, sms, config)
+    per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
+    constexprs = dict(BITS=_bits(method), GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      BLOCK_K=cfg["BLOCK_K"], SPLIT=split_k > 1, UPCAST=interpret)
+    return {"grid": (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per,
+            "constexprs": constexprs, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": False}
 
 
 def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
@@ -651,20 +663,18 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     "Tensor-core GEMM path (split-K while the output tiles are few): x [T, K] -> [T, N] in x's dtype."
     x, z, b = _args(x, qweight, scales, zeros, bias)
     M, K = x.shape
-    N, bits = qweight.shape[0], _bits(method)
+    N = qweight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0: return out
-    cfg = gemm_config(M, N, K, method, group_size, num_sms(x.device),
+    run = gemm_launch(M, N, K, method, group_size, num_sms(x.device),
                       {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})})
-    per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
-    part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
-    counters = split_counters(x.device, grid[0] * grid[1]) if split_k > 1 else out
+    grid = run["grid"]
+    part = torch.empty(grid[2], M, N, dtype=torch.float32, device=x.device) if grid[2] > 1 else out  # [S, T, N]
+    counters = split_counters(x.device, grid[0] * grid[1]) if grid[2] > 1 else out
     quant_gemm_kernel[grid](
-        x, qweight, scales, z, b, out, part, counters, M, N, K, per, x.stride(0), qweight.stride(0), scales.stride(0),
-        out.stride(0), BITS=bits, GROUP=group_size or 1, HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split_k > 1, UPCAST=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x, qweight, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0),
+        qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **run["constexprs"],
+        num_warps=run["num_warps"], num_stages=run["num_stages"])
     return out
 
 

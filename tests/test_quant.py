@@ -385,7 +385,7 @@ HALF2_COMPILE = """
 import nanoserve.quant as Q
 for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}, {"DOT": True}):
     cfg = {**cfg, "BLOCK_N": 64, "num_warps": 4}
-    cc = Q.compile_gemv(3584, 3584, "int4", 128, config=cfg)
+    cc = Q.compile_one_row(3584, 3584, "int4", 128, config=cfg)
     ptx = cc.asm["ptx"]
     print(len(cc.asm["cubin"]), ptx.count("lop3.b32"), ptx.count("fma.rn.bf16x2"), ptx.count("cvt.f32.bf16"),
           ptx.count("mma.sync"))
@@ -409,7 +409,7 @@ def test_half2_ptx_compiles_for_hopper():
 
 
 def test_gemv_launch_matches_the_rules():
-    "What `compile_gemv` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
+    "What `compile_one_row` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
     from nanoserve.quant import gemv_launch, PAIRS_ASM, PAIRS_ASM_SHIFT
     gpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=False)
     assert gpu["constexprs"]["HALF2"] and gpu["constexprs"]["ASM"] == PAIRS_ASM and not gpu["constexprs"]["ZPAIR"]
