@@ -78,7 +78,9 @@ def test_poisson_run_counts_tokens_exactly(server):
     assert s["output_tokens"] == 128 and s["ttft_p50_s"] is not None and s["tpot_p50_s"] is not None
     assert res["wall_s"] >= max(send)
     c = res["client"]                                    # the client kept up at this rate
-    assert c["send_lag_max_s"] < 0.05 and c["send_lag_p50_s"] < 0.01, c
+    # a client that waited for answers before sending would lag by seconds; the server shares this machine's two
+    # cores, so one late wake-up of the client's loop is allowed a quarter of a second
+    assert c["send_lag_max_s"] < 0.25 and c["send_lag_p50_s"] < 0.02, c
     assert 0 < c["cpu_s_per_request"] < 0.1, c
 
 
