@@ -27,7 +27,7 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    dependent launch), 0.5B at batch 1, 8, 64 and 7B at batch 1; rate7bq: the 7B at batch 1 quantized, INT8 and
    INT4, with the defaults and the control, and the module-level controls "int8 gemv only" (no tensor-core GEMM
    at one row), "int4 no words" (the table from before the words path), "int4 no pairs" (the words path in fp32),
-   "int4 table" (the package's INT4 table, whatever `int4words` kept earlier in the run);
+   "int4 table" and "int8 table" (the package's one-row tables, whatever `int4words` kept earlier in the run);
 7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
    programmatic dependent launch;
 8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM; int4words: the 7B INT4
@@ -50,7 +50,10 @@ from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E4
 from nanoserve.attention import choose_num_splits as ORIGINAL_SPLITS   # noqa: E402
 from nanoserve.quant import FEW_ROWS_GEMM, GEMV_OVERRIDES, TUNED_GEMV  # noqa: E402
 
-ORIGINAL_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)
+ORIGINAL_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)              # what `int4words` keeps (it may drop INT8 layers)
+PACKAGE_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)               # the package's, the "int8 table" control
+INT8_TABLE = {k: dict(v) for k, v in TUNED_GEMV.items() if k[0] == "int8"}
+INT8_NOW = dict(INT8_TABLE)                                # what `int4words` keeps
 # INT4 one-row configs: the package's (words of nibbles; the int4words part updates them), and the tuned table
 # before the words path (git 5b2a79f, quant_h200.json), the control
 INT4_WORDS = {k: v for k, v in GEMV_OVERRIDES.items() if k[0] == "int4"}
@@ -87,16 +90,18 @@ def with_pairs(on: bool):
     WORDS_RULE["HALF2"] = on
 
 
-def with_few_rows_gemm(on: bool):
-    "The quantized layers named in `FEW_ROWS_GEMM` take the tensor-core GEMM at one row (now), or the GEMV (control)."
+def with_int8(table: bool, gemv_only: bool):
+    """INT8 at one row: the configs and `FEW_ROWS_GEMM` that `int4words` kept (now) or the package's (the "int8
+    table" control); with `gemv_only` no layer takes the tensor-core GEMM (the "int8 gemv only" control)."""
+    GEMV_OVERRIDES.update(INT8_TABLE if table else INT8_NOW)
     FEW_ROWS_GEMM.clear()
-    if on: FEW_ROWS_GEMM.update(ORIGINAL_FEW_ROWS_GEMM)
+    if not gemv_only: FEW_ROWS_GEMM.update(PACKAGE_FEW_ROWS_GEMM if table else ORIGINAL_FEW_ROWS_GEMM)
 
 
 def patched(cname: str):
     "The module-level controls a configuration's name asks for."
     with_decode_merge(not cname.startswith("reduce kernel"), int(cname.split()[1]) if cname.startswith("splits ") else None)
-    with_few_rows_gemm(not cname.endswith("gemv only"))
+    with_int8(cname.endswith("int8 table"), cname.endswith("gemv only"))
     with_words(not cname.endswith("no words"))
     with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
@@ -379,10 +384,11 @@ def int4_words(res, budget_s=100.0):
     launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
     inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`, or dequantized the same
     way for the tensor cores (`DOT`); the budget is spent on them in that order) over tile blocks and splits,
-    against the table as it was; and the INT8
-    QKV and output projections over blocks, warps and splits against theirs. A faster config goes into
-    GEMV_OVERRIDES (for the parts after it) and is recorded."""
-    from nanoserve.quant import gemv_config, quant_gemv, quant_matmul_ref
+    against the table as it was; and the INT8 projections, in packed fp16 pairs (`F16`) first and then the fp32
+    GEMV, over blocks, warps and splits against the engine's own path (the tensor-core GEMM for the layers in
+    `FEW_ROWS_GEMM`). A faster config goes into GEMV_OVERRIDES (an INT8 layer leaves FEW_ROWS_GEMM) for the
+    parts after it, and is recorded."""
+    from nanoserve.quant import gemv_config, quant_gemv, quant_matmul, quant_matmul_ref
     rows = res.setdefault("int4_words", [])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kinds = ({"HALF2": True, "ZPAIR": True}, {"HALF2": True, "ZPAIR": True, "SHIFT": True}, {"HALF2": True},
@@ -391,19 +397,21 @@ def int4_words(res, budget_s=100.0):
             for kind in kinds for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8)
             if n * bk <= 65536 and not (kind["HALF2"] and bk != 128)    # the packed paths take a group a tile
             and not (kind.get("DOT") and n > 128)]                       # 256 channels: out of registers
-    int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 3, "PAIRS": True}
-            for bk in (128, 256) for n in (16, 32, 64) for w in (4, 8)]
+    int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PAIRS": True, "F16": f16}
+            for f16, st in ((True, 1), (False, 3)) for bk in (128, 256, 512) for n in (16, 32, 64, 128) for w in (4, 8)
+            if n * bk // (32 * w) >= 8 and n * bk <= 32768 and (f16 or bk <= 256)]
     for method in ("int4", "int8"):
         for name, N, K, act, bias in layer_shapes("7B"):
-            if method == "int8" and name not in ("qkv_proj", "o_proj"): continue
             t0 = time.perf_counter()
             w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
             q, qs, qb = quantized_copies(w, method)
             ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
             tuned = dict(GEMV_OVERRIDES.get((method, N, K), {}))
             pdl = True
-            row = {"method": method, "layer": name, "N": N, "K": K, "tuned": tuned, "tuned_us": min(G.graph_bench(
-                lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128, pdl=pdl)), qb)), "words": []}
+            gemm = (method, N, K) in FEW_ROWS_GEMM                            # the engine's path at one row
+            row = {"method": method, "layer": name, "N": N, "K": K, "tuned": tuned, "engine_gemm": gemm,
+                   "tuned_us": min(G.graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl)),
+                                                 qb)), "words": []}
             best = None
             def trial(cfg):
                 nonlocal best
@@ -424,11 +432,29 @@ def int4_words(res, budget_s=100.0):
             if best[0] < row["tuned_us"]:
                 GEMV_OVERRIDES[(method, N, K)] = chosen
                 if method == "int4": INT4_WORDS[(method, N, K)] = chosen
+                else:
+                    INT8_NOW[(method, N, K)] = chosen
+                    FEW_ROWS_GEMM.pop((method, N, K), None); ORIGINAL_FEW_ROWS_GEMM.pop((method, N, K), None)
             print("int4_words", method, name, f"tuned {row['tuned_us']:.1f} us, best {best[0]:.1f} us", chosen,
                   f"worst err {max(r['rel_err'] for r in row['words']):.1e}", flush=True)
             rows.append(row)
             del qs, w; torch.cuda.empty_cache()
     res["int4_words_overrides"] = {f"{m} {n}x{k}": c for (m, n, k), c in GEMV_OVERRIDES.items()}
+    res["int4_words_few_rows_gemm"] = [f"{m} {n}x{k}" for (m, n, k) in FEW_ROWS_GEMM]
+
+
+def load_overrides(path: str):
+    """What an earlier run's `int4words` kept (its JSON), as if swept in this process: so a sweep and the step
+    timings can be two device calls."""
+    prev = json.loads(Path(path).read_text())
+    key = lambda s: (s.split()[0], *map(int, s.split()[1].split("x")))
+    for name, cfg in prev["int4_words_overrides"].items():
+        k = key(name)
+        GEMV_OVERRIDES[k] = cfg
+        (INT4_WORDS if k[0] == "int4" else INT8_NOW)[k] = cfg
+    kept = {key(n) for n in prev.get("int4_words_few_rows_gemm", [f"{m} {n}x{k}" for m, n, k in FEW_ROWS_GEMM])}
+    for k in list(FEW_ROWS_GEMM):
+        if k not in kept: FEW_ROWS_GEMM.pop(k); ORIGINAL_FEW_ROWS_GEMM.pop(k, None)
 
 
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
@@ -464,12 +490,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
+    ap.add_argument("--budget", type=float, default=45.0, help="int4words: seconds of trials a layer")
+    ap.add_argument("--overrides", default=None, help="an earlier run's JSON: take what its int4words kept")
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
                          "splits4/splits8 (the decode kernel's splits fixed)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
-           "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"}
+           "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
+                      + (f" --budget {args.budget}" if "int4words" in args.parts else "")
+                      + (f" --overrides {args.overrides}" if args.overrides else "")}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
@@ -477,7 +507,8 @@ def main():
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
-        ("int4 no pairs", {"quantization": "int4"}), ("int4 table", {"quantization": "int4"}))
+        ("int4 no pairs", {"quantization": "int4"}), ("int4 table", {"quantization": "int4"}),
+        ("int8 table", {"quantization": "int8"}))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
@@ -489,7 +520,8 @@ def main():
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
-             "int4words": lambda: int4_words(res, 45.0)}
+             "int4words": lambda: int4_words(res, args.budget)}
+    if args.overrides: load_overrides(args.overrides)
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

@@ -10,8 +10,9 @@ most of it); a part that starts past BUDGET_S is skipped and marked so. In bf16,
 a. correctness, 7B layer shapes (qkv/o/gate_up/down), INT8 + INT4, T in (1, 4, 16, 512): max relative error vs the
    reference (dequantize to fp32, fp32 matmul) of the FMA GEMV (T <= 4), the tensor-core path with split-K
    (`quant_gemm`, every T: at 4 and 16 rows it is the old split-K tl.dot GEMV, at 512 the tiled GEMM) and the
-   dispatch (`quant_matmul`), and at one row the INT4 options not in the table (`OPTIONS`: the zero point inside
-   the pairs, with lanes by shift, the tensor cores); one CUDA-graph capture + replay of each path;
+   dispatch (`quant_matmul`), and at one row the options not in the tables (`OPTIONS`: INT4 with the zero point
+   inside the pairs, with lanes by shift, on the tensor cores; INT8 in fp16 pairs); one CUDA-graph capture +
+   replay of each path;
 b. GEMV sweep at T = 1 on the 7B shapes (no bias): the package's rule first, then BLOCK_N x BLOCK_K x num_warps
    candidates (INT4 also with the first version's interleaved nibbles, PAIRS=False; methods interleaved, stops
    after SWEEP_S seconds), each timed by graph_bench (kernels/graphs_h200.py: calls over enough weight copies to
@@ -114,8 +115,11 @@ def cleanup():
 
 # -- a. correctness ------------------------------------------------------------------------------------------------
 
-OPTIONS = {"gemv_zpair": {"ZPAIR": True}, "gemv_zpair_shift": {"ZPAIR": True, "SHIFT": True},
-           "gemv_dot": {"DOT": True, "BLOCK_N": 64, "num_warps": 4}}   # INT4 one-row options over the tuned table
+OPTIONS = {"int4": {"gemv_zpair": {"ZPAIR": True}, "gemv_zpair_shift": {"ZPAIR": True, "SHIFT": True},
+                    "gemv_dot": {"DOT": True, "BLOCK_N": 64, "num_warps": 4}},
+           "int8": {"gemv_f16": {"F16": True}, "gemv_f16_64x128": {"F16": True, "BLOCK_N": 64, "BLOCK_K": 128,
+                                                                  "num_warps": 4, "SPLIT_K": None}}}
+# the one-row options not in the tuned tables, over them
 
 
 def correctness(res):
@@ -133,8 +137,8 @@ def correctness(res):
                        "auto": rel_err(quant_matmul(x, *p, b, method, GROUP), ref),
                        "torch_bf16_path": rel_err(quant_matmul_ref(x, *p, b, method, GROUP), ref)}
                 if T <= Q.GEMV_MAX_T: row["gemv_fma"] = rel_err(quant_gemv(x, *p, b, method, GROUP), ref)
-                if T == 1 and method == "int4":             # the untimed options of the one-row words path
-                    for opt, cfg in OPTIONS.items():
+                if T == 1:                                  # the untimed options of the one-row paths
+                    for opt, cfg in OPTIONS[method].items():
                         row[opt] = rel_err(quant_gemv(x, *p, b, method, GROUP, config=cfg), ref)
                 if T > 1: row["gemm_splitk_dot"] = rel_err(quant_gemm(x, *p, b, method, GROUP), ref)
                 rows.append(row)
@@ -146,7 +150,8 @@ def correctness(res):
         log("correctness 7B", name, f"max rel err {worst:.2e}")
     res["correctness"]["max_rel_err"] = max(max(v for k, v in r.items() if k in ("auto", "gemv_fma", "gemm_splitk_dot"))
                                             for r in rows)
-    res["correctness"]["options_max_rel_err"] = {o: max(r[o] for r in rows if o in r) for o in OPTIONS}
+    res["correctness"]["options_max_rel_err"] = {o: max(r[o] for r in rows if o in r)
+                                                 for m in OPTIONS for o in OPTIONS[m]}
     log("correctness of the options", res["correctness"]["options_max_rel_err"])
     graph = {}                                  # CUDA graphs: capture each path once, replay on new inputs
     w, b = make_layer(4608, 3584, True)

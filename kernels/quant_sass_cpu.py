@@ -34,6 +34,9 @@ VARIANTS = {                                        # name -> (method, config ov
     "int4 zero point in pairs": ("int4", {"ZPAIR": True}),
     "int4 zero point in pairs, lanes by shift": ("int4", {"ZPAIR": True, "SHIFT": True}),
     "int8 tensor-core GEMM (FEW_ROWS_GEMM)": ("int8", "gemm"),   # the engine's INT8 gate/up and down at one row
+    "int8 fp16 pairs": ("int8", {"F16": True}),                  # on the INT8 GEMV table's blocks
+    "int8 fp16 pairs, 64x128x4": ("int8", {"F16": True, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
+                                           "SPLIT_K": None}),     # the blocks the static counts favour
     # like for like, 64 channels and 4 warps a program: the packed pairs against the tensor cores (`DOT`)
     "int4 zero point in pairs, 64x4": ("int4", {"ZPAIR": True, "BLOCK_N": 64, "num_warps": 4}),
     "int4 tensor cores, 64x4": ("int4", {"DOT": True, "BLOCK_N": 64, "num_warps": 4}),
@@ -98,17 +101,17 @@ def count(N: int, K: int, name: str) -> dict:
         run = gemm_launch(1, N, K, method, group, 132, cfg, interpret=False)
     else:
         run = gemv_launch(1, N, K, method, group, torch.bfloat16, 132, cfg, pdl=True, interpret=False)
-    c = {"WORDS": False, "HALF2": False, "ZPAIR": False, "DOT": False, "EVEN": False} | run["constexprs"]
+    c = {"WORDS": False, "HALF2": False, "ZPAIR": False, "DOT": False, "EVEN": False, "F16": False} | run["constexprs"]
     cc = compile_one_row(N, K, method, group, torch.bfloat16, cfg, pdl=True, gemm=gemm)
     sass, usage = disassemble(cc.asm["cubin"])
     loop, ins = main_loop(sass)
     threads = 32 * run["num_warps"]
     per_trip = c["BLOCK_N"] * c["BLOCK_K"] // threads                     # weights a thread handles per trip
-    trips = run["tiles_per_split"] - (1 if method == "int8" and c["EVEN"] and not gemm else 0)  # the INT8 GEMV peels one
+    trips = run["tiles_per_split"] - (1 if method == "int8" and c["EVEN"] and not (gemm or c["F16"]) else 0)  # peeled
     programs = int(torch.tensor(run["grid"]).prod())
     by_regs = REGS_PER_SM // (usage["REG"] * threads)
     estimate = (len(ins) - len(loop) + len(loop) * trips) * run["num_warps"] * programs   # warp instructions
-    return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS", "DOT")}
+    return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS", "DOT", "F16")}
             | {"num_warps": run["num_warps"], "grid": list(run["grid"]), "tiles_per_split": run["tiles_per_split"],
                "shift_lanes": bool(cfg.get("SHIFT")), "kernel": "quant_gemm_kernel" if gemm else "quant_gemv_kernel"},
             "registers": usage["REG"], "shared_bytes": usage.get("SHARED", 0),

@@ -26,12 +26,13 @@ from .fused import _sum_last, finish_split, split_tiles
 METHODS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['METHODS', 'DEQUANT_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T', 'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES',
-           'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4',
-           'quantize_int4', 'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel',
-           'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path',
-           'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'quant_matmul', 'QuantLinear',
-           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+__all__ = ['METHODS', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T',
+           'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
+           'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize',
+           'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
+           'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv', 'compile_one_row',
+           'gemm_launch', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
+           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #18d3070d
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +145,41 @@ def _dequant_asm() -> str:
 DEQUANT_ASM = tl.constexpr(_dequant_asm())     # a constexpr: the kernel reads it as a global
 
 
+X_SCALE = 2.0 ** -10     # INT8 in fp16 pairs: the activations enter fp16 scaled by this (exact), the sum leaves / it
+
+
+def _int8_pairs_asm() -> str:
+    """PTX for INT8 at one row in packed fp16 pairs: two int32 words of 4 signed bytes ($1, $2; byte b of word w =
+    input 4 w + b) and four fp16 pairs of activations times `X_SCALE` ($3-$6: inputs 0-1, 2-3, 4-5, 6-7) -> the fp32
+    sum of the 8 products q x X_SCALE. A xor makes each byte q + 128, one byte permute puts two of them under the
+    fp16 exponent of 1024 (the pair 1024 + q + 128, exactly), a packed add takes 1152 away (q, exactly), four
+    packed multiply-adds accumulate in fp16 (11 bits; the scaled products cannot overflow below |x| of 10^5), and
+    the two lanes add in fp32."""
+    lines = ["mov.b32 mg, 0x64646464;", "mov.b32 sb, 0xE480E480;", "mov.b32 zr, 0;",   # fp16 -1152, -1152
+             "xor.b32 ua, $1, 0x80808080;", "xor.b32 ub, $2, 0x80808080;",
+             "prmt.b32 t0, ua, mg, 0x4140;", "prmt.b32 t1, ua, mg, 0x4342;",       # bytes 0-1, 2-3 -> 1024 + u
+             "prmt.b32 t2, ub, mg, 0x4140;", "prmt.b32 t3, ub, mg, 0x4342;"]
+    for k in range(4): lines.append(f"add.rn.f16x2 t{k}, t{k}, sb;")              # 1024 + q + 128 - 1152 -> q
+    lines.append("fma.rn.f16x2 acc, t0, $3, zr;")
+    for k in (1, 2, 3): lines.append(f"fma.rn.f16x2 acc, t{k}, ${k + 3}, acc;")
+    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;"]
+    regs = (".reg .b32 ua, ub, t0, t1, t2, t3, acc, mg, sb, zr;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;")
+    return "{\n" + "\n".join(regs + tuple(lines)) + "\n}"
+
+
+INT8_PAIRS_ASM = tl.constexpr(_int8_pairs_asm())
+# a bf16 pair (int32) -> the fp16 pair of its values times X_SCALE (round to nearest); lane 0 stays lane 0
+F16_PAIR_ASM = tl.constexpr("""{
+.reg .b32 a, b;
+.reg .f32 fa, fb;
+shl.b32 a, $1, 16;
+and.b32 b, $1, 0xFFFF0000;
+mul.rn.f32 fa, a, 0f3A800000;
+mul.rn.f32 fb, b, 0f3A800000;
+cvt.rn.f16x2.f32 $0, fb, fa;
+}""")
+
+
 def neg_pair(bf16: bool = True) -> int:
     "The int32 bits of the pair -(2^e) -(2^e) (`_pairs_asm`'s $6 for z = 0): -128 in bf16, -1024 in fp16."
     return (0xC300C300 if bf16 else 0xE400E400) - (1 << 32)
@@ -210,6 +246,47 @@ def _dequant_words(words, zp, EMULATE: tl.constexpr):
     # each join adds a last axis, so the first join's axis ends up most significant: m = 4 a + 2 b + c
     w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))  # [BN, NW, a, b, c]
     return tl.reshape(w, (w.shape[0], w.shape[1] * 8))                        # [BLOCK_N, NW * 8]: input 8 j + m
+
+
+@triton.jit
+def _f16_pair(r, EMULATE: tl.constexpr):
+    "A bf16 pair (int32) -> the fp16 pair (int32) of its values times X_SCALE: PTX on a GPU, Triton's cast emulated."
+    if EMULATE:
+        lo = (_bits_value(r & 0xFFFF) * 0.0009765625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = (_bits_value((r >> 16) & 0xFFFF) * 0.0009765625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        return lo | (hi << 16)
+    else:
+        return tl.inline_asm_elementwise(F16_PAIR_ASM, "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_lanes(h):
+    "An fp16 pair (int32) -> its two values in fp32."
+    lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((h >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _byte(w, B: tl.constexpr):
+    "Signed byte B of int32 words, as fp32."
+    return ((((w >> (8 * B)) & 0xFF) ^ 0x80) - 128).to(tl.float32)
+
+
+@triton.jit
+def _int8_pairs(wa, wb, h0, h1, h2, h3, EMULATE: tl.constexpr):
+    """Two words of 4 signed bytes and the four fp16 activation pairs they meet -> sum of the 8 products (fp32):
+    `INT8_PAIRS_ASM` on a GPU; under the interpreter the same products, exactly."""
+    if EMULATE:
+        a0, a1 = _f16_lanes(h0)
+        a2, a3 = _f16_lanes(h1)
+        b0, b1 = _f16_lanes(h2)
+        b2, b3 = _f16_lanes(h3)
+        return (_byte(wa, 0) * a0 + _byte(wa, 1) * a1 + _byte(wa, 2) * a2 + _byte(wa, 3) * a3
+                + _byte(wb, 0) * b0 + _byte(wb, 1) * b1 + _byte(wb, 2) * b2 + _byte(wb, 3) * b3)
+    else:
+        return tl.inline_asm_elementwise(INT8_PAIRS_ASM, "=f,r,r,r,r,r,r", [wa, wb, h0, h1, h2, h3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -286,8 +363,9 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
-                      ZPAIR: tl.constexpr = False, EMULATE: tl.constexpr = False, DOT: tl.constexpr = False):
-    if not WORDS: pdl_launch_next(PDL)        # the words path lets the next kernel launch after its loop (below)
+                      ZPAIR: tl.constexpr = False, EMULATE: tl.constexpr = False, DOT: tl.constexpr = False,
+                      F16: tl.constexpr = False):
+    if not (WORDS or F16): pdl_launch_next(PDL)   # the words paths launch the next kernel after their loop
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                            # every row in one program
@@ -296,7 +374,27 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     num_tiles = (K + BLOCK_K - 1) // BLOCK_K
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
-    if BITS == 8 and BLOCK_M == 1 and EVEN:   # one row: products kept in a tile, reduced once after the loop
+    if BITS == 8 and F16:                     # INT8, one row, EVEN: bytes in packed fp16 pairs (PTX), 8 a call
+        NWB: tl.constexpr = BLOCK_K // 8                                      # word pairs a row a tile
+        jj = tl.arange(0, NWB)
+        wp = (qweight_ptr + offs_n[:, None, None] * stride_qn + 2 * jj[None, :, None]
+              + tl.arange(0, 2)[None, None, :])                               # [BLOCK_N, NWB, 2] int32 words
+        w2 = tl.load(wp + t_begin * (BLOCK_K // 4))                           # the first tile: before the wait
+        pdl_wait(PDL)
+        x32 = x_ptr.to(tl.pointer_type(tl.int32))                             # bf16 pairs: inputs 2 i, 2 i + 1
+        total = tl.full([BLOCK_N, NWB], 0.0, tl.float32)
+        for t in range(t_begin, t_end):
+            wa, wb = tl.split(w2)                                             # [BLOCK_N, NWB]: inputs 8 jj + 0-3, 4-7
+            xw = tl.load(x32 + t * (BLOCK_K // 2) + 4 * jj[:, None] + tl.arange(0, 4)[None, :])   # [NWB, 4]
+            a, b = tl.split(tl.reshape(xw, (NWB, 2, 2)))                      # a: pairs 0, 2; b: pairs 1, 3
+            r0, r2 = tl.split(a)
+            r1, r3 = tl.split(b)
+            total += _int8_pairs(wa, wb, _f16_pair(r0, EMULATE)[None, :], _f16_pair(r1, EMULATE)[None, :],
+                                 _f16_pair(r2, EMULATE)[None, :], _f16_pair(r3, EMULATE)[None, :], EMULATE)
+            w2 = tl.load(wp + tl.minimum(t + 1, t_end - 1) * (BLOCK_K // 4))  # the next tile (the last one again)
+        pdl_launch_next(PDL)                  # late, as the INT4 words path
+        acc = _sum_last(total, 1)[None, :] * 1024.0                           # [1, BLOCK_N]; / X_SCALE
+    elif BITS == 8 and BLOCK_M == 1 and EVEN:  # one row: products kept in a tile, reduced once after the loop
         k = tl.arange(0, BLOCK_K)
         kk = t_begin * BLOCK_K + k                                            # the first tile: before the wait
         u = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kk[None, :]).to(tl.int32)          # [BLOCK_N, BLOCK_K]
@@ -580,12 +678,14 @@ def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dty
     dot = half2 and bool(cfg.get("DOT"))        # the tensor-core words path (bf16, a group a tile)
     zpair = half2 and bool(cfg.get("ZPAIR")) and not dot
     half2 = half2 and (zpair or dot or not interpret)  # PTX on a GPU (the interpreter emulates ZPAIR's and DOT's)
+    f16 = (bits == 8 and M == 1 and bool(cfg.get("F16")) and dtype == torch.bfloat16 and cfg["BLOCK_K"] % 8 == 0
+           and N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0)    # INT8 one row in fp16 pairs: blocks dividing
     pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
     constexprs = dict(BITS=bits, GROUP=group_size or 1, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"], SPLIT=split_k > 1, PAIRS=cfg["PAIRS"],
                       EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl, WORDS=words, HALF2=half2,
                       ASM=(PAIRS_ASM_SHIFT if cfg.get("SHIFT") else PAIRS_ASM) if half2 else "", ZPAIR=zpair,
-                      EMULATE=(zpair or dot) and interpret, DOT=dot)
+                      EMULATE=(zpair or dot or f16) and interpret, DOT=dot, F16=f16)
     return {"grid": (triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per, "constexprs": constexprs,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": pdl}
 
@@ -601,10 +701,10 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     run = gemv_launch(M, N, K, method, group_size, x.dtype, num_sms(x.device),
                       {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl)
     c, (n_tiles, split_k) = run["constexprs"], run["grid"]
-    if c["ZPAIR"] and x.data_ptr() % 4: x = x.clone()                       # read as int32 pairs: 4-byte aligned
+    if (c["ZPAIR"] or c["F16"]) and x.data_ptr() % 4: x = x.clone()        # read as int32 pairs: 4-byte aligned
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if c["BITS"] == 8 else qweight            # INT8 read as bytes (see _gemv_tile)
-    if c["WORDS"]: q = qweight.view(torch.int32)                            # INT4 as words of 8 nibbles [N, K / 8]
+    if c["WORDS"] or c["F16"]: q = qweight.view(torch.int32)                # words: 8 nibbles [N, K / 8], 4 bytes [N, K / 4]
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[run["grid"]](
         x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), q.stride(0),
@@ -627,12 +727,13 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
     else: run, kernel = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False), quant_gemv_kernel
     c = {**run["constexprs"], "HAS_BIAS": bias}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False)
+    int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False) or c.get("F16", False)
     ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
             "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
             "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
     ints = {"M": 1, "N": N, "K": K, "tiles_per_split": run["tiles_per_split"], "stride_xm": K,
-            "stride_qn": K // 8 if words else (K // 2 if int4 else K), "stride_sn": K // group_size if int4 else 1,
+            "stride_qn": (K // 8 if int4 else K // 4) if words else (K // 2 if int4 else K),
+            "stride_sn": K // group_size if int4 else 1,
             "stride_om": N}
     sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from nanoserve.quant import PAIRS_ASM, PAIRS_ASM_SHIFT, _pairs_asm, neg_pair
+from nanoserve.quant import F16_PAIR_ASM, INT8_PAIRS_ASM, PAIRS_ASM, PAIRS_ASM_SHIFT, X_SCALE, _pairs_asm, neg_pair
 
 M32 = np.uint64(0xFFFFFFFF)
 
@@ -41,6 +41,7 @@ def run_ptx(asm: str, inputs: list[np.ndarray]) -> np.ndarray:
                                    for i, v in enumerate(inputs)}
     def val(tok: str) -> np.ndarray:
         tok = tok.strip()
+        if re.fullmatch(r"0f[0-9a-fA-F]{8}", tok): return np.uint64(int(tok[2:], 16))     # a float's bits
         return np.uint64(int(tok, 0)) if re.fullmatch(r"(0x[0-9a-fA-F]+|\d+)", tok) else regs[tok]
     for line in asm.splitlines():
         line = line.strip()
@@ -55,18 +56,30 @@ def run_ptx(asm: str, inputs: list[np.ndarray]) -> np.ndarray:
         elif op == "shr.u32": r = val(a[0]) >> val(a[1])
         elif op == "shl.b32": r = (val(a[0]) << val(a[1])) & M32
         elif op == "and.b32": r = val(a[0]) & val(a[1])
+        elif op == "xor.b32": r = val(a[0]) ^ val(a[1])
+        elif op == "prmt.b32":                       # byte i of the result: byte (selector nibble i) of {b, a}
+            src, sel = val(a[0]) | (val(a[1]) << np.uint64(32)), int(a[2], 0)
+            r = np.uint64(0) * src
+            for i in range(4):
+                r = r | (((src >> np.uint64(8 * (sel >> 4 * i & 7))) & np.uint64(0xFF)) << np.uint64(8 * i))
+        elif op == "mul.rn.f32":
+            r = (f32(val(a[0])) * f32(val(a[1]))).astype(np.float32).view(np.uint32).astype(np.uint64)
+        elif op == "cvt.rn.f16x2.f32":               # d = f16(a) in the upper half, f16(b) in the lower
+            hi, lo = (f32(val(t)).astype(np.float16).view(np.uint16).astype(np.uint64) for t in a)
+            r = lo | (hi << np.uint64(16))
         elif op == "lop3.b32":                       # bit i of the result: bit (a b c) of the lookup table
             x, y, z, lut = val(a[0]), val(a[1]), val(a[2]), int(a[3], 0)
             r = np.uint64(0) * x
             for i in range(8):
                 if lut >> i & 1:
                     r = r | ((x if i & 4 else ~x & M32) & (y if i & 2 else ~y & M32) & (z if i & 1 else ~z & M32))
-        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2", "add.rn.f16x2"):
             bf = op == "fma.rn.bf16x2"
             lanes = []
             for sh in (np.uint64(0), np.uint64(16)):
-                x, y, z = (half_value((val(t) >> sh) & np.uint64(0xFFFF), bf) for t in a)
-                lanes.append(half_bits(round_half(x * y + z, bf), bf))     # one rounding of the exact a b + c
+                v = [half_value((val(t) >> sh) & np.uint64(0xFFFF), bf) for t in a]
+                exact = v[0] + v[1] if op.startswith("add") else v[0] * v[1] + v[2]
+                lanes.append(half_bits(round_half(exact, bf), bf))          # one rounding of the exact result
             r = lanes[0] | (lanes[1] << np.uint64(16))
         elif op in ("cvt.f32.bf16", "cvt.f32.f16"):
             r = half_value(val(a[0]), op == "cvt.f32.bf16").astype(np.float32).view(np.uint32).astype(np.uint64)
@@ -118,3 +131,26 @@ def test_pairs_ptx_rounding_stays_within_bf16s_bound():
         assert err.max() > 0                                            # the roundings are there
     a, b = (run_ptx(asm, operands(x, words, z, True)) for asm in (PAIRS_ASM, PAIRS_ASM_SHIFT))
     np.testing.assert_array_equal(a, b)                                 # cvt or shift: the same lanes
+
+
+def test_int8_pairs_ptx_is_the_exact_dot():
+    """INT8 in fp16 pairs: the activation pairs (`F16_PAIR_ASM`: bf16 bits -> fp16 of x X_SCALE) and the bytes of
+    two words (`INT8_PAIRS_ASM`): bit-exact on small integer activations, whose scaled products and sums are exact
+    in fp16; within fp16's rounding on random ones."""
+    rng = np.random.default_rng(2)
+    n = 4096
+    wa, wb = (rng.integers(0, 2 ** 32, n, dtype=np.uint64) for _ in range(2))
+    q = np.stack([((w >> np.uint64(8 * b)) & np.uint64(0xFF)).astype(np.int64) for w in (wa, wb) for b in range(4)], 1)
+    q = np.where(q >= 128, q - 256, q).astype(np.float64)                 # [n, 8] signed bytes, input order
+    for x, exact in ((rng.integers(-4, 5, (n, 8)).astype(np.float64), True),
+                     (round_half(rng.standard_normal((n, 8)) * 3, True), False)):
+        bits = half_bits(x, True)
+        pairs = [run_ptx(F16_PAIR_ASM.value, [bits[:, 2 * i] | (bits[:, 2 * i + 1] << np.uint64(16))])
+                 .view(np.uint32).astype(np.uint64) for i in range(4)]
+        lanes = np.stack([half_value((p >> np.uint64(s)) & np.uint64(0xFFFF), False) for p in pairs
+                          for s in (0, 16)], 1)
+        np.testing.assert_array_equal(lanes, round_half(x * X_SCALE, False))  # fp16 of x X_SCALE (exact if integer)
+        out = run_ptx(INT8_PAIRS_ASM.value, [wa, wb, *pairs]).astype(np.float64) / X_SCALE
+        terms = q * lanes / X_SCALE
+        if exact: np.testing.assert_array_equal(out, terms.sum(1))
+        else: assert (np.abs(out - terms.sum(1)) <= 2.0 ** -9 * np.abs(terms).sum(1) + 1e-30).all()

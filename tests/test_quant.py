@@ -94,6 +94,38 @@ def _check(out, ref, dtype, T, name):
 
 
 @interp
+@interp
+@pytest.mark.parametrize("method,cfg", [("int4", {"ZPAIR": True}), ("int4", {"DOT": True}), ("int8", {"F16": True}),
+                                        ("int8", {"F16": True, "BLOCK_K": 64, "SPLIT_K": 3})])
+def test_one_row_packed_paths_are_exact_on_integers(method, cfg):
+    """The packed one-row paths (under the interpreter, their emulations) on weights with unit scales and sparse
+    activations of +-1, where every product and sum is an integer small enough for bf16: the output must equal the
+    reference exactly, so a nibble or byte out of place, a wrong zero point, sign or scale cannot hide in a
+    tolerance. INT8 runs its full byte range (two activations) and small bytes (sixteen)."""
+    g = torch.Generator().manual_seed(7)
+    N, K, G = 64, 512, 128
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2, **cfg}
+    if method == "int4":
+        cfg |= {"WORDS": True, "HALF2": True}
+        cases = [(torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8), torch.ones(N, K // G),
+                  torch.randint(0, 16, (N, K // G), generator=g, dtype=torch.uint8), 16)]
+    else:
+        cases = [(torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8), torch.ones(N), None, 2),
+                 (torch.randint(-8, 9, (N, K), generator=g, dtype=torch.int8), torch.ones(N), None, 16)]
+    run = gemv_launch(1, N, K, method, G if method == "int4" else None, torch.bfloat16, 132, cfg)["constexprs"]
+    assert run["EMULATE"] and (run["ZPAIR"] or run["DOT"] or run["F16"])
+    for qweight, scales, zeros, nonzero in cases:
+        x = torch.zeros(1, K)
+        where = torch.randperm(K, generator=g)[:nonzero]
+        x[0, where] = torch.randint(0, 2, (nonzero,), generator=g).float() * 2 - 1
+        x = x.to(torch.bfloat16)
+        group = G if method == "int4" else None
+        ref = quant_matmul_ref(x.float(), qweight, scales, zeros, None, method, group)
+        assert ref.abs().max() <= 256 and ref.abs().max() > 0
+        out = quant_gemv(x, qweight, scales, zeros, None, method, group, config=cfg)
+        assert torch.equal(out.float(), ref), (out.float() - ref).abs().max()
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("K,G", [(256, 64), (384, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -408,6 +440,26 @@ def test_half2_ptx_compiles_for_hopper():
     assert all(row[0] > 0 for row in rows) and [row[4] > 0 for row in rows] == [False] * 4 + [True]
 
 
+INT8_COMPILE = """
+import nanoserve.quant as Q
+cc = Q.compile_one_row(37888, 3584, "int8", None, config={"F16": True, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4})
+ptx = cc.asm["ptx"]
+print(len(cc.asm["cubin"]), ptx.count("prmt.b32"), ptx.count("fma.rn.f16x2"), ptx.count("cvt.rn.f16x2.f32"))
+"""
+
+
+def test_int8_pairs_ptx_compiles_for_hopper():
+    "INT8 at one row in fp16 pairs (`F16`), compiled for sm_90 on the CPU as `quant_gemv` would launch it."
+    import subprocess, sys
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", INT8_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cubin, prmt, fma, cvt = map(int, r.stdout.split())
+    # 64 channels x 16 word pairs over 128 threads: 8 calls a thread, each 4 byte permutes and 4 multiply-adds;
+    # the activation pairs are converted once per pair a thread holds
+    assert cubin > 0 and (prmt, fma) == (32, 32) and 0 < cvt <= 16
+
+
 def test_gemv_launch_matches_the_rules():
     "What `compile_one_row` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
     from nanoserve.quant import gemv_launch, PAIRS_ASM, PAIRS_ASM_SHIFT
@@ -421,6 +473,10 @@ def test_gemv_launch_matches_the_rules():
     assert not (f["constexprs"]["HALF2"] or f["constexprs"]["ZPAIR"])               # fp32 activations: no pairs
     assert gpu["grid"] == (3584 // 64, 14) and gpu["pdl"] is False                  # the tuned table; pdl asked: no
     assert gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, pdl=True, interpret=False)["pdl"]
+    i8 = lambda M, dtype, cfg: gemv_launch(M, 3584, 3584, "int8", None, dtype, 132, cfg, interpret=False)["constexprs"]
+    assert i8(1, torch.bfloat16, {"F16": True})["F16"] and not i8(1, torch.bfloat16, {})["F16"]
+    assert not i8(2, torch.bfloat16, {"F16": True})["F16"] and not i8(1, torch.float16, {"F16": True})["F16"]
+    assert not i8(1, torch.bfloat16, {"F16": True, "BLOCK_K": 512 + 8})["F16"]     # the tile must divide K
 
 
 # -- through the engine ---------------------------------------------------------------------------------------
