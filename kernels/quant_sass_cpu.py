@@ -3,9 +3,10 @@
 Run on any machine from the repo root (no GPU: Triton's own ptxas and nvdisasm compile and disassemble for sm_90):
     PYTHONPATH=. python kernels/quant_sass_cpu.py --out figures/data
 For each 7B projection and each variant of the kernel, `nanoserve.quant.compile_one_row` compiles exactly what
-`quant_gemv` (or `quant_gemm`, for the layers `FEW_ROWS_GEMM` sends to the tensor cores) would launch at one row; the script disassembles it, finds the main loop (the largest backward
-branch), and writes to quant_sass_cpu.json: registers a thread, the programs a multiprocessor can hold by
-registers, the loop's instructions by opcode, the weights a thread handles per trip, the loop's instructions per
+`quant_gemv` (or `quant_gemm`, for the layers `FEW_ROWS_GEMM` sends to the tensor cores) would launch at one
+row; the script disassembles it, finds the main loop (the largest backward branch), and writes to
+quant_sass_cpu.json: registers a thread, the programs a multiprocessor can hold by registers, the loop's
+instructions by opcode and by source line, the weights a thread handles per trip, the loop's instructions per
 weight, and a whole-kernel estimate (instructions outside the loop once, the loop times its trips). The INT8
 gate/up row is checked against what Nsight Compute counted on the H200 for the same kernel
 (figures/data/quant_ncu_h200.csv). Static counts predict the instruction stream, not the time.
@@ -49,7 +50,8 @@ def disassemble(cubin: bytes) -> tuple[str, dict]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin); f.flush()
         sass = subprocess.run([BIN / "nvdisasm", "-c", "-g", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([BIN / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([BIN / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
     usage = {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", res)}
     return sass, usage
 
@@ -111,7 +113,8 @@ def count(N: int, K: int, name: str) -> dict:
     programs = int(torch.tensor(run["grid"]).prod())
     by_regs = REGS_PER_SM // (usage["REG"] * threads)
     estimate = (len(ins) - len(loop) + len(loop) * trips) * run["num_warps"] * programs   # warp instructions
-    return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS", "DOT", "F16")}
+    shown = ("BLOCK_N", "BLOCK_K", "ZPAIR", "HALF2", "WORDS", "DOT", "F16")
+    return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in shown}
             | {"num_warps": run["num_warps"], "grid": list(run["grid"]), "tiles_per_split": run["tiles_per_split"],
                "shift_lanes": bool(cfg.get("SHIFT")), "kernel": "quant_gemm_kernel" if gemm else "quant_gemv_kernel"},
             "registers": usage["REG"], "shared_bytes": usage.get("SHARED", 0),
@@ -142,13 +145,15 @@ def main():
     rows = [count(N, K, name) for N, K in LAYERS_7B.values() for name in VARIANTS
             if VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in FEW_ROWS_GEMM]
     for r in rows:
-        print(f"{r['layer_N_K']!s:>14} {r['variant']:<42} regs {r['registers']:>3} ({r['programs_per_sm_by_registers']} "
+        print(f"{r['layer_N_K']!s:>14} {r['variant']:<42} regs {r['registers']:>3} "
+              f"({r['programs_per_sm_by_registers']} "
               f"programs/SM)  loop {r['loop_instructions']:>4} / {r['weights_per_thread_per_trip']:>3} weights = "
               f"{r['loop_instructions_per_weight']:.2f}  kernel ~{r['estimated_instructions_per_weight']:.2f} a weight")
     # the INT8 gate/up GEMV is the kernel Nsight Compute profiled (grid 2368 x 1, 256 threads, pdl off there)
     ncu = ncu_counts(Path("figures/data/quant_ncu_h200.csv")).get("(2368, 1, 1)")
     int8_gu = next(r for r in rows if r["variant"] == "int8" and r["layer_N_K"] == [37888, 3584])
-    check = {"ncu_executed_warp_instructions": ncu["Executed Instructions"], "ncu_registers": ncu["Registers Per Thread"],
+    check = {"ncu_executed_warp_instructions": ncu["Executed Instructions"],
+             "ncu_registers": ncu["Registers Per Thread"],
              "static_estimate_warp_instructions": int8_gu["estimated_warp_instructions"],
              "static_registers": int8_gu["registers"],
              "estimate_over_ncu": round(int8_gu["estimated_warp_instructions"] / ncu["Executed Instructions"], 3)}

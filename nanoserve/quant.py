@@ -244,7 +244,8 @@ def _dequant_words(words, zp, EMULATE: tl.constexpr):
         w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
             DEQUANT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     # each join adds a last axis, so the first join's axis ends up most significant: m = 4 a + 2 b + c
-    w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))  # [BN, NW, a, b, c]
+    w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)),
+                tl.join(tl.join(w1, w5), tl.join(w3, w7)))                   # [BLOCK_N, NW, a, b, c]
     return tl.reshape(w, (w.shape[0], w.shape[1] * 8))                        # [BLOCK_N, NW * 8]: input 8 j + m
 
 
@@ -252,8 +253,9 @@ def _dequant_words(words, zp, EMULATE: tl.constexpr):
 def _f16_pair(r, EMULATE: tl.constexpr):
     "A bf16 pair (int32) -> the fp16 pair (int32) of its values times X_SCALE: PTX on a GPU, Triton's cast emulated."
     if EMULATE:
-        lo = (_bits_value(r & 0xFFFF) * 0.0009765625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi = (_bits_value((r >> 16) & 0xFFFF) * 0.0009765625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        x_scale: tl.constexpr = 0.0009765625                                   # X_SCALE (a global Triton cannot read)
+        lo = (_bits_value(r & 0xFFFF) * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = (_bits_value((r >> 16) & 0xFFFF) * x_scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
         return lo | (hi << 16)
     else:
         return tl.inline_asm_elementwise(F16_PAIR_ASM, "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
@@ -393,7 +395,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                                  _f16_pair(r2, EMULATE)[None, :], _f16_pair(r3, EMULATE)[None, :], EMULATE)
             w2 = tl.load(wp + tl.minimum(t + 1, t_end - 1) * (BLOCK_K // 4))  # the next tile (the last one again)
         pdl_launch_next(PDL)                  # late, as the INT4 words path
-        acc = _sum_last(total, 1)[None, :] * 1024.0                           # [1, BLOCK_N]; / X_SCALE
+        acc = _sum_last(total, 1)[None, :] * 1024.0                           # [1, BLOCK_N]: / X_SCALE
     elif BITS == 8 and BLOCK_M == 1 and EVEN:  # one row: products kept in a tile, reduced once after the loop
         k = tl.arange(0, BLOCK_K)
         kk = t_begin * BLOCK_K + k                                            # the first tile: before the wait
@@ -444,7 +446,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                 else:
                     dot = tl.inline_asm_elementwise(
                         ASM, "=f,r,r,r,r,r,r", [words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp],
-                        dtype=tl.float32, is_pure=True, pack=1)               # [BLOCK_N, NW]: sum over the word of (q - z) x
+                        dtype=tl.float32, is_pure=True, pack=1)               # [BLOCK_N, NW]: sum of (q - z) x
                 total += dot * s[:, None]
             else:
                 z = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.float32)
@@ -704,7 +706,7 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     if (c["ZPAIR"] or c["F16"]) and x.data_ptr() % 4: x = x.clone()        # read as int32 pairs: 4-byte aligned
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if c["BITS"] == 8 else qweight            # INT8 read as bytes (see _gemv_tile)
-    if c["WORDS"] or c["F16"]: q = qweight.view(torch.int32)                # words: 8 nibbles [N, K / 8], 4 bytes [N, K / 4]
+    if c["WORDS"] or c["F16"]: q = qweight.view(torch.int32)                # 8 nibbles [N, K / 8], 4 bytes [N, K / 4]
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[run["grid"]](
         x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), q.stride(0),
@@ -723,8 +725,11 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     if INTERPRET: raise RuntimeError("compile_one_row needs TRITON_INTERPRET=0 when nanoserve is imported")
-    if gemm: run, kernel = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False), quant_gemm_kernel
-    else: run, kernel = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False), quant_gemv_kernel
+    if gemm:
+        run, kernel = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False), quant_gemm_kernel
+    else:
+        run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False)
+        kernel = quant_gemv_kernel
     c = {**run["constexprs"], "HAS_BIAS": bias}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False) or c.get("F16", False)
