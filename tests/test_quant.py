@@ -510,3 +510,32 @@ def test_engine_quantization_errors():
         LLM(default_model(), quantization="int4")
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         LLM(default_model(), quantization="int8", tensor_parallel_size=2)
+
+
+SASS_COUNT = """
+import json, sys
+sys.path.insert(0, "kernels")
+import quant_sass_cpu as S
+rows = [S.count(37888, 3584, "int8"), S.count(3584, 3584, "int4 zero point in pairs"),
+        S.count(3584, 3584, "int4 pairs (shipped)"), S.count(37888, 3584, "int8 tensor-core GEMM (FEW_ROWS_GEMM)")]
+print(json.dumps([rows, S.ncu_counts(S.Path("figures/data/quant_ncu_h200.csv"))["(2368, 1, 1)"]]))
+"""
+
+
+def test_static_instruction_counts_agree_with_nsight():
+    """`kernels/quant_sass_cpu.py` on this CPU (Triton's ptxas, nvdisasm, cuobjdump): the INT8 gate/up GEMV is the
+    kernel Nsight Compute profiled on the H200 (figures/data/quant_ncu_h200.csv), so its static estimate must come
+    within 5% of the instructions Nsight counted, with the same registers; and the zero point inside the INT4 pairs
+    must count fewer instructions than the shipped pairs."""
+    import json, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", SASS_COUNT], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=root)                  # a process of its own: the script compiles, it does not interpret
+    assert r.returncode == 0, r.stderr[-3000:]
+    (int8, zpair, shipped, gemm), ncu = json.loads(r.stdout.strip().splitlines()[-1])
+    assert abs(int8["estimated_warp_instructions"] / ncu["Executed Instructions"] - 1) < 0.05
+    assert int8["registers"] == ncu["Registers Per Thread"] and int8["config"]["kernel"] == "quant_gemv_kernel"
+    assert zpair["estimated_instructions_per_weight"] < shipped["estimated_instructions_per_weight"]
+    assert gemm["config"]["kernel"] == "quant_gemm_kernel" and gemm["loop_opcodes"].get("HMMA", 0) > 0
