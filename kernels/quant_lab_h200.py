@@ -37,8 +37,8 @@ from diet_h200 import layer_operands, layer_shapes           # noqa: E402
 from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
 from nanoserve.bench import run_meta                         # noqa: E402
 from nanoserve.fused import finish_split, split_tiles        # noqa: E402
-from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, _pairs_asm, quant_gemv, quant_matmul,  # noqa: E402
-                             quant_matmul_ref, quantize_int4, quantize_int8)
+from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_OVERRIDES, _pairs_asm, neg_pair, quant_gemv,  # noqa: E402
+                             quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8)
 
 
 @triton.jit
@@ -191,7 +191,8 @@ PAIRS_CACHE: dict = {}      # (x's address, shape, bf16) -> its packed pairs and
 @triton.jit
 def lab_int4h_kernel(x2_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K,
                      groups_per_split, stride_wn, stride_sn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                     GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                     NEG: tl.constexpr):
     """INT4 words, two weights an instruction: packed half-precision arithmetic in inline PTX (the package's
     `_pairs_asm`) on activations pre-packed in pairs (`x2`, int32 [K / 2]) with each word's input sum (`xs`,
     fp32 [K / 8]) for the zero point. The next kernel launches after the loop."""
@@ -211,8 +212,8 @@ def lab_int4h_kernel(x2_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, par
         x2 = tl.load(xb + 2)
         x3 = tl.load(xb + 3)
         xs = tl.load(xs_ptr + g * NW + j)
-        pairs = [words, x0[None, :], x1[None, :], x2[None, :], x3[None, :]]
-        dot = tl.inline_asm_elementwise(ASM, "=f,r,r,r,r,r", pairs,
+        pairs = [words, x0[None, :], x1[None, :], x2[None, :], x3[None, :], tl.full([BLOCK_N, 1], NEG, tl.int32)]
+        dot = tl.inline_asm_elementwise(ASM, "=f,r,r,r,r,r,r", pairs,
                                         dtype=tl.float32, is_pure=True, pack=1)          # [BLOCK_N, NW]: sum q x
         total += dot * s[:, None] - (s * z)[:, None] * xs[None, :]
         words = tl.load(wp + tl.minimum(g + 1, g_end - 1) * NW)
@@ -252,7 +253,8 @@ def lab_int4h(x, qweight, scales, zeros, bias, cfg: dict, pdl: bool):
     lab_int4h_kernel[(n_tiles, split)](
         x2, xs, w, scales, zeros, bias if bias is not None else scales, out, part, counters, N, K, per, w.stride(0),
         scales.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"], GROUP=128, SPLIT=split > 1,
-        ASM=PAIRS_ASM[bf16], PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl))
+        ASM=PAIRS_ASM[bf16], PDL=pdl, NEG=neg_pair(bf16), num_warps=cfg["num_warps"], num_stages=1,
+        **launch_options(pdl))
     return out
 
 
