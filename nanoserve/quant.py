@@ -202,15 +202,22 @@ def _bits_value(bits):
 
 
 @triton.jit
-def _x_pairs(x_ptr, base, NW: tl.constexpr):
-    """The activation pairs of NW words, straight from x's bf16 bits: x read as int32 (element `base + 4 j + i`
-    holds inputs 8 j + 2 i and 8 j + 2 i + 1) and regrouped into pair k = inputs 8 j + k and 8 j + k + 4 (the
-    nibbles one mask picks together) -> four int32 [NW]."""
+def _x_words(x_ptr, base, NW: tl.constexpr):
+    """x's bf16 bits read as int32 pairs, 8 inputs per j: element `base + 4 j + i` holds inputs 8 j + 2 i and
+    8 j + 2 i + 1 -> four int32 [NW] (i = 0, 1, 2, 3)."""
     j = tl.arange(0, NW)
     xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + base + 4 * j[:, None] + tl.arange(0, 4)[None, :])  # [NW, 4]
     a, b = tl.split(tl.reshape(xw, (NW, 2, 2)))         # [NW, 2, 2] -> a: elements 0, 2 (inputs 0-1, 4-5); b: 1, 3
     r0, r2 = tl.split(a)
     r1, r3 = tl.split(b)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _x_pairs(x_ptr, base, NW: tl.constexpr):
+    """The activation pairs of NW words, straight from x's bf16 bits (`_x_words`), regrouped into pair k = inputs
+    8 j + k and 8 j + k + 4 (the nibbles one mask picks together) -> four int32 [NW]."""
+    r0, r1, r2, r3 = _x_words(x_ptr, base, NW)
     p0 = (r0 & 0xFFFF) | (r2 << 16)                     # inputs 0, 4
     p1 = ((r0 >> 16) & 0xFFFF) | (r2 & -65536)          # inputs 1, 5
     p2 = (r1 & 0xFFFF) | (r3 << 16)                     # inputs 2, 6
@@ -383,14 +390,10 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
               + tl.arange(0, 2)[None, None, :])                               # [BLOCK_N, NWB, 2] int32 words
         w2 = tl.load(wp + t_begin * (BLOCK_K // 4))                           # the first tile: before the wait
         pdl_wait(PDL)
-        x32 = x_ptr.to(tl.pointer_type(tl.int32))                             # bf16 pairs: inputs 2 i, 2 i + 1
         total = tl.full([BLOCK_N, NWB], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             wa, wb = tl.split(w2)                                             # [BLOCK_N, NWB]: inputs 8 jj + 0-3, 4-7
-            xw = tl.load(x32 + t * (BLOCK_K // 2) + 4 * jj[:, None] + tl.arange(0, 4)[None, :])   # [NWB, 4]
-            a, b = tl.split(tl.reshape(xw, (NWB, 2, 2)))                      # a: pairs 0, 2; b: pairs 1, 3
-            r0, r2 = tl.split(a)
-            r1, r3 = tl.split(b)
+            r0, r1, r2, r3 = _x_words(x_ptr, t * (BLOCK_K // 2), NWB)         # [NWB]: inputs 8 jj + 0-1, ..., 6-7
             total += _int8_pairs(wa, wb, _f16_pair(r0, EMULATE)[None, :], _f16_pair(r1, EMULATE)[None, :],
                                  _f16_pair(r2, EMULATE)[None, :], _f16_pair(r3, EMULATE)[None, :], EMULATE)
             w2 = tl.load(wp + tl.minimum(t + 1, t_end - 1) * (BLOCK_K // 4))  # the next tile (the last one again)
@@ -408,38 +411,29 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
             w = (u ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             tile += w * tl.load(x_ptr + kk).to(tl.float32)[None, :]
         acc = _sum_last(tile, 1)[None, :]                                                          # [1, BLOCK_N]
-    elif WORDS and DOT:                       # INT4 words, a tile a group, on the tensor cores (16-row tiles)
-        NW: tl.constexpr = GROUP // 8
-        j = tl.arange(0, NW)
-        rows = tl.arange(0, 16)
-        kg = tl.arange(0, GROUP)
-        wp = qweight_ptr + offs_n[:, None] * stride_qn + j[None, :]          # [BLOCK_N, NW]
-        words = tl.load(wp + t_begin * NW)                                    # the first tile: before the wait
-        pdl_wait(PDL)
-        acc16 = tl.full([16, BLOCK_N], 0.0, tl.float32)
-        for t in range(t_begin, t_end):
-            s = tl.load(scales_ptr + offs_n * stride_sn + t)
-            zb = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.int32) | 0xC300   # bf16 bits of -(128 + z)
-            w = _dequant_words(words, (zb | (zb << 16))[:, None], EMULATE)   # [BLOCK_N, GROUP]: q - z
-            xt = tl.load(x_ptr + (t * GROUP + kg)[None, :] + 0 * rows[:, None], mask=(rows == 0)[:, None],
-                         other=0.0)                                           # [16, GROUP]: the row, then zeros
-            if EMULATE: xt = xt.to(tl.float32)
-            acc16 += tl.dot(xt, tl.trans(w)) * s[None, :]                     # [16, BLOCK_N]
-            words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * NW)          # the next tile (the last one again)
-        pdl_launch_next(PDL)
-        acc = _sum_last(tl.trans(acc16), 1)[None, :]                          # [1, BLOCK_N]: row 0 (the rest are 0)
-    elif WORDS and HALF2:                     # INT4 words, a tile a group, two weights an instruction (PTX)
-        NW: tl.constexpr = GROUP // 8
+    elif WORDS and HALF2:                     # INT4 words, a tile a group: two weights an instruction (PTX), or
+        NW: tl.constexpr = GROUP // 8         # with DOT the tensor cores (16-row tiles)
         j = tl.arange(0, NW)
         wp = qweight_ptr + offs_n[:, None] * stride_qn + j[None, :]          # [BLOCK_N, NW]
         words = tl.load(wp + t_begin * NW)                                    # the first tile: before the wait
         pdl_wait(PDL)
-        total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+        if DOT:
+            total = tl.full([16, BLOCK_N], 0.0, tl.float32)
+        else:
+            total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             s = tl.load(scales_ptr + offs_n * stride_sn + t)
-            if ZPAIR:                         # the zero point inside the pairs, the activations read as pairs
+            if DOT or ZPAIR:                  # the zero point inside the pairs
                 zb = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.int32) | 0xC300   # bf16 bits of -(128 + z)
                 zp = (zb | (zb << 16))[:, None]                                   # [BLOCK_N, 1]: the pair
+            if DOT:
+                rows = tl.arange(0, 16)
+                w = _dequant_words(words, zp, EMULATE)                            # [BLOCK_N, GROUP]: q - z
+                xt = tl.load(x_ptr + (t * GROUP + tl.arange(0, GROUP))[None, :] + 0 * rows[:, None],
+                             mask=(rows == 0)[:, None], other=0.0)                # [16, GROUP]: the row, then zeros
+                if EMULATE: xt = xt.to(tl.float32)
+                total += tl.dot(xt, tl.trans(w)) * s[None, :]                     # [16, BLOCK_N]
+            elif ZPAIR:                       # the activations read as pairs
                 p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)            # [NW] each
                 if EMULATE:
                     dot = _pairs_emulated(words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp)
@@ -465,7 +459,10 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                 total += dot * s[:, None] - (s * z)[:, None] * xsum[None, :]
             words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * NW)          # the next tile (the last one again)
         pdl_launch_next(PDL)                  # late, as below
-        acc = _sum_last(total, 1)[None, :]                                                         # [1, BLOCK_N]
+        if DOT:
+            acc = _sum_last(tl.trans(total), 1)[None, :]                      # [1, BLOCK_N]: row 0 (the rest are 0)
+        else:
+            acc = _sum_last(total, 1)[None, :]                                                     # [1, BLOCK_N]
     elif WORDS:                               # INT4, one row, EVEN: a K tile is GPT groups of int32 words
         NW: tl.constexpr = GROUP // 8                                        # words (8 nibbles each) per group row
         GPT: tl.constexpr = BLOCK_K // GROUP
@@ -680,12 +677,13 @@ def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dty
     dot = half2 and bool(cfg.get("DOT"))        # the tensor-core words path (bf16, a group a tile)
     zpair = half2 and bool(cfg.get("ZPAIR")) and not dot
     half2 = half2 and (zpair or dot or not interpret)  # PTX on a GPU (the interpreter emulates ZPAIR's and DOT's)
+    even = N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0               # the blocks divide the shape
     f16 = (bits == 8 and M == 1 and bool(cfg.get("F16")) and dtype == torch.bfloat16 and cfg["BLOCK_K"] % 8 == 0
-           and N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0)    # INT8 one row in fp16 pairs: blocks dividing
+           and even)                                                    # INT8 one row in fp16 pairs
     pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
     constexprs = dict(BITS=bits, GROUP=group_size or 1, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"], SPLIT=split_k > 1, PAIRS=cfg["PAIRS"],
-                      EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl, WORDS=words, HALF2=half2,
+                      EVEN=even, PDL=pdl, WORDS=words, HALF2=half2,
                       ASM=(PAIRS_ASM_SHIFT if cfg.get("SHIFT") else PAIRS_ASM) if half2 else "", ZPAIR=zpair,
                       EMULATE=(zpair or dot or f16) and interpret, DOT=dot, F16=f16)
     return {"grid": (triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per, "constexprs": constexprs,
