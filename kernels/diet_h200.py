@@ -383,7 +383,8 @@ def int4_words(res, budget_s=100.0):
     """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
     launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
     inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`, or dequantized the same
-    way for the tensor cores (`DOT`); the budget is spent on them in that order) over tile blocks and splits,
+    way for the tensor cores (`DOT`); the budget is spent on them in that order) over tile blocks and splits
+    (and the best under register caps of 64, 80 and 128, `MAXNREG`),
     against the table as it was; and the INT8 projections, in packed fp16 pairs (`F16`) first and then the fp32
     GEMV, over blocks, warps and splits against the engine's own path (the tensor-core GEMM for the layers in
     `FEW_ROWS_GEMM`). A faster config goes into GEMV_OVERRIDES (an INT8 layer leaves FEW_ROWS_GEMM) for the
@@ -426,6 +427,9 @@ def int4_words(res, budget_s=100.0):
             full = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
             for sk in (2, 4, 8, 14, 16, 32):
                 if sk != full["SPLIT_K"] and time.perf_counter() - t0 < budget_s + 30: trial({**full, "SPLIT_K": sk})
+            full = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
+            for cap in (64, 80, 128):                   # a register cap a thread: more programs a multiprocessor
+                if time.perf_counter() - t0 < budget_s + 45: trial({**full, "MAXNREG": cap})
             chosen = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
             row["best_words"], row["best_words_us"] = chosen, best[0]
             row["speedup"] = row["tuned_us"] / best[0]

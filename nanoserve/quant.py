@@ -687,7 +687,8 @@ def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dty
                       ASM=(PAIRS_ASM_SHIFT if cfg.get("SHIFT") else PAIRS_ASM) if half2 else "", ZPAIR=zpair,
                       EMULATE=(zpair or dot or f16) and interpret, DOT=dot, F16=f16)
     return {"grid": (triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per, "constexprs": constexprs,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": pdl}
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": pdl,
+            "maxnreg": None if interpret else cfg.get("MAXNREG")}        # a register cap a thread (ptxas), if set
 
 
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
@@ -709,7 +710,8 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     quant_gemv_kernel[run["grid"]](
         x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), q.stride(0),
         scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **c, num_warps=run["num_warps"],
-        num_stages=run["num_stages"], **launch_options(run["pdl"]))
+        num_stages=run["num_stages"], **launch_options(run["pdl"]),
+        **({"maxnreg": run["maxnreg"]} if run["maxnreg"] else {}))
     return out
 
 
@@ -748,7 +750,8 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
         else: sig[n] = "constexpr"; consts[(i,)] = c[n]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": run["num_warps"], "num_stages": run["num_stages"]})
+                          options={"num_warps": run["num_warps"], "num_stages": run["num_stages"],
+                                   **({"maxnreg": run["maxnreg"]} if run.get("maxnreg") else {})})
 
 
 def gemm_launch(M: int, N: int, K: int, method: str, group_size: int | None, sms: int, config: dict | None = None,

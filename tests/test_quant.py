@@ -477,6 +477,9 @@ def test_gemv_launch_matches_the_rules():
     assert i8(1, torch.bfloat16, {"F16": True})["F16"] and not i8(1, torch.bfloat16, {})["F16"]
     assert not i8(2, torch.bfloat16, {"F16": True})["F16"] and not i8(1, torch.float16, {"F16": True})["F16"]
     assert not i8(1, torch.bfloat16, {"F16": True, "BLOCK_K": 512 + 8})["F16"]     # the tile must divide K
+    cap = lambda interpret: gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, {"MAXNREG": 80},
+                                        interpret=interpret)["maxnreg"]
+    assert cap(False) == 80 and cap(True) is None and gpu["maxnreg"] is None        # a register cap: GPU only
 
 
 # -- through the engine ---------------------------------------------------------------------------------------
