@@ -379,7 +379,7 @@ def quant_one_row(res, budget_s=60.0):
         del w; torch.cuda.empty_cache()
 
 
-def int4_words(res, budget_s=100.0):
+def int4_words(res, budget_s=100.0, methods=("int4", "int8")):
     """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
     launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
     inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`, or dequantized the same
@@ -401,7 +401,7 @@ def int4_words(res, budget_s=100.0):
     int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PAIRS": True, "F16": f16}
             for f16, st in ((True, 1), (False, 3)) for bk in (128, 256, 512) for n in (16, 32, 64, 128) for w in (4, 8)
             if n * bk // (32 * w) >= 8 and n * bk <= 32768 and (f16 or bk <= 256)]
-    for method in ("int4", "int8"):
+    for method in methods:
         for name, N, K, act, bias in layer_shapes("7B"):
             t0 = time.perf_counter()
             w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
@@ -495,6 +495,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
     ap.add_argument("--budget", type=float, default=45.0, help="int4words: seconds of trials a layer")
+    ap.add_argument("--methods", default="int4,int8", help="int4words: the methods swept")
     ap.add_argument("--overrides", default=None, help="an earlier run's JSON: take what its int4words kept")
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
@@ -502,7 +503,7 @@ def main():
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
-                      + (f" --budget {args.budget}" if "int4words" in args.parts else "")
+                      + (f" --budget {args.budget} --methods {args.methods}" if "int4words" in args.parts else "")
                       + (f" --overrides {args.overrides}" if args.overrides else "")}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
@@ -524,7 +525,7 @@ def main():
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
-             "int4words": lambda: int4_words(res, args.budget)}
+             "int4words": lambda: int4_words(res, args.budget, tuple(args.methods.split(",")))}
     if args.overrides: load_overrides(args.overrides)
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))

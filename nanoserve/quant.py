@@ -385,14 +385,14 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     if BITS == 8 and F16:                     # INT8, one row, EVEN: bytes in packed fp16 pairs (PTX), 8 a call
         NWB: tl.constexpr = BLOCK_K // 8                                      # word pairs a row a tile
-        jj = tl.arange(0, NWB)
-        wp = (qweight_ptr + offs_n[:, None, None] * stride_qn + 2 * jj[None, :, None]
-              + tl.arange(0, 2)[None, None, :])                               # [BLOCK_N, NWB, 2] int32 words
+        # a 2-D tile, contiguous along K: a warp's loads cover whole rows (a [BLOCK_N, NWB, 2] pointer tile was
+        # laid out down the rows, one 8-byte piece of 32 rows a load: L1-bound at a quarter of the copy bandwidth)
+        wp = qweight_ptr + offs_n[:, None] * stride_qn + tl.arange(0, 2 * NWB)[None, :]  # [BLOCK_N, 2 NWB] words
         w2 = tl.load(wp + t_begin * (BLOCK_K // 4))                           # the first tile: before the wait
         pdl_wait(PDL)
         total = tl.full([BLOCK_N, NWB], 0.0, tl.float32)
         for t in range(t_begin, t_end):
-            wa, wb = tl.split(w2)                                             # [BLOCK_N, NWB]: inputs 8 jj + 0-3, 4-7
+            wa, wb = tl.split(tl.reshape(w2, (BLOCK_N, NWB, 2)))              # [BLOCK_N, NWB]: inputs 8 jj + 0-3, 4-7
             r0, r1, r2, r3 = _x_words(x_ptr, t * (BLOCK_K // 2), NWB)         # [NWB]: inputs 8 jj + 0-1, ..., 6-7
             total += _int8_pairs(wa, wb, _f16_pair(r0, EMULATE)[None, :], _f16_pair(r1, EMULATE)[None, :],
                                  _f16_pair(r2, EMULATE)[None, :], _f16_pair(r3, EMULATE)[None, :], EMULATE)
@@ -559,13 +559,14 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 
 # %% ../nbs/10_quant.ipynb #eee55b5b
 GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the tensor-core GEMM path
-WORDS_RULE = {"WORDS": True, "HALF2": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1,
-              "PAIRS": False}  # INT4 at one row: words of nibbles, on a GPU two weights an instruction
+WORDS_RULE = {"WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "BLOCK_N": 64, "num_warps": 4,
+              "num_stages": 1, "PAIRS": False}  # INT4 at one row: words of nibbles, on a GPU two weights an instruction
 # The best GEMV configuration per 7B layer shape at one row: INT8 from the H200 sweep of `kernels/quant_h200.py`
 # (git 5b2a79f, figures/data/quant_h200.json, "gemv_overrides") but the output projection, from
 # `kernels/diet_h200.py --parts int4words` (git 6273a67, figures/data/quant_words2_h200.json), and INT4 (words of
-# 8 nibbles in packed bf16 pairs, `WORDS` + `HALF2`) from `kernels/quant_lab_h200.py --parts half` (git 0430269,
-# figures/data/quant_lab_half_h200.json, the best bf16 configuration per layer). Any other shape uses the rules.
+# 8 nibbles in packed bf16 pairs with the zero point inside the pairs and the lanes taken by a shift, `WORDS` +
+# `HALF2` + `ZPAIR` + `SHIFT`, some under a register cap) from `kernels/diet_h200.py --parts int4words` (git
+# fbfebb4, figures/data/quant_zpair_h200.json). Any other shape uses the rules.
 TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
                            "PAIRS": True, "SPLIT_K": 7},
@@ -575,14 +576,14 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
                             "PAIRS": True, "SPLIT_K": 1},
     ("int8", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3,
                             "PAIRS": True, "SPLIT_K": 10},
-    ("int4", 4608, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1,
-                           "PAIRS": False, "SPLIT_K": 14, "WORDS": True, "HALF2": True},
-    ("int4", 3584, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1,
-                           "PAIRS": False, "SPLIT_K": 14, "WORDS": True, "HALF2": True},
-    ("int4", 37888, 3584): {"BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1,
-                            "PAIRS": False, "SPLIT_K": 8, "WORDS": True, "HALF2": True},
-    ("int4", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1,
-                            "PAIRS": False, "SPLIT_K": 16, "WORDS": True, "HALF2": True},
+    ("int4", 4608, 3584): {"BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
+                           "SPLIT_K": 14, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128},
+    ("int4", 3584, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+                           "SPLIT_K": 16, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128},
+    ("int4", 37888, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+                            "SPLIT_K": 2, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True},
+    ("int4", 3584, 18944): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
+                            "SPLIT_K": 15, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 64},
 }
 GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)  # (method, N, K) -> GEMV config, over the rules
 # Layers whose product at one row is faster on the tensor-core GEMM path (16-row tiles, the padding rows masked)
