@@ -513,7 +513,9 @@ def main():
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
         ("int4 no pairs", {"quantization": "int4"}), ("int4 table", {"quantization": "int4"}),
-        ("int8 table", {"quantization": "int8"}))
+        ("int8 table", {"quantization": "int8"}),
+        ("int8 lm_head", {"quantization": "int8", "quantize_lm_head": True}),   # the LM head quantized too
+        ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True}))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),

@@ -27,12 +27,12 @@ METHODS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['METHODS', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T',
-           'WORDS_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
+           'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
            'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize',
            'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
            'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv', 'compile_one_row',
-           'gemm_launch', 'quant_gemm', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
-           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding',
+           'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #f9f6b103
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -561,21 +561,21 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the tensor-core GEMM path
 WORDS_RULE = {"WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "BLOCK_N": 64, "num_warps": 4,
               "num_stages": 1, "PAIRS": False}  # INT4 at one row: words of nibbles, on a GPU two weights an instruction
-# The best GEMV configuration per 7B layer shape at one row: INT8 from the H200 sweep of `kernels/quant_h200.py`
-# (git 5b2a79f, figures/data/quant_h200.json, "gemv_overrides") but the output projection, from
-# `kernels/diet_h200.py --parts int4words` (git 6273a67, figures/data/quant_words2_h200.json), and INT4 (words of
-# 8 nibbles in packed bf16 pairs with the zero point inside the pairs and the lanes taken by a shift, `WORDS` +
-# `HALF2` + `ZPAIR` + `SHIFT`, some under a register cap) from `kernels/diet_h200.py --parts int4words` (git
-# fbfebb4, figures/data/quant_zpair_h200.json). Any other shape uses the rules.
+F16_RULE = {"F16": True, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}  # INT8 at one row: fp16 pairs
+# The best GEMV configuration per 7B layer shape at one row, from `kernels/diet_h200.py --parts int4words`: INT8
+# in packed fp16 pairs (`F16`) from git b5bd1b3 (figures/data/quant_f16_h200.json), INT4 (words of 8 nibbles in
+# packed bf16 pairs with the zero point inside the pairs and the lanes taken by a shift, `WORDS` + `HALF2` +
+# `ZPAIR` + `SHIFT`) from git fbfebb4 (figures/data/quant_zpair_h200.json); some under a register cap
+# (`MAXNREG`). Any other shape uses the rules.
 TUNED_GEMV: dict[tuple[str, int, int], dict] = {
-    ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
-                           "PAIRS": True, "SPLIT_K": 7},
-    ("int8", 3584, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
-                           "PAIRS": True, "SPLIT_K": 8},
-    ("int8", 37888, 3584): {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3,
-                            "PAIRS": True, "SPLIT_K": 1},
-    ("int8", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3,
-                            "PAIRS": True, "SPLIT_K": 10},
+    ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1, "PAIRS": True,
+                           "SPLIT_K": 8, "F16": True, "MAXNREG": 64},
+    ("int8", 3584, 3584): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1, "PAIRS": True,
+                           "SPLIT_K": 8, "F16": True},
+    ("int8", 37888, 3584): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1, "PAIRS": True,
+                            "SPLIT_K": 1, "F16": True},
+    ("int8", 3584, 18944): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "PAIRS": True,
+                            "SPLIT_K": 5, "F16": True},
     ("int4", 4608, 3584): {"BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
                            "SPLIT_K": 14, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128},
     ("int4", 3584, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
@@ -588,7 +588,8 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
 GEMV_OVERRIDES: dict[tuple[str, int, int], dict] = dict(TUNED_GEMV)  # (method, N, K) -> GEMV config, over the rules
 # Layers whose product at one row is faster on the tensor-core GEMM path (16-row tiles, the padding rows masked)
 # than on the GEMV, with the GEMM configuration that won: the 7B INT8 gate/up and down projections, from
-# `kernels/diet_h200.py --parts qrow` (git 6fc8a12, figures/data/diet_pdl_tuned_h200.json, "quant_one_row").
+# `kernels/diet_h200.py --parts qrow` (git 6fc8a12, figures/data/diet_pdl_tuned_h200.json, "quant_one_row"). A
+# single bf16 row takes the GEMV's packed fp16 pairs instead (`one_row_f16`), which beat both (git b5bd1b3).
 FEW_ROWS_GEMM: dict[tuple[str, int, int], dict] = {       # (method, N, K) -> GEMM config for <= GEMV_MAX_T rows
     ("int8", 37888, 3584): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     ("int8", 3584, 18944): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
@@ -623,6 +624,8 @@ def gemv_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
     cfg = {"BLOCK_N": 32, "BLOCK_K": 256 if bits == 8 else 512, "num_warps": 4, "num_stages": 3, "PAIRS": True}
     words = {**WORDS_RULE, "BLOCK_K": group_size}
     if words_path(M, N, K, method, group_size, words): cfg.update(words)   # INT4, one row: words, a group a tile
+    if method == "int8" and M == 1 and N % F16_RULE["BLOCK_N"] == 0 and K % F16_RULE["BLOCK_K"] == 0:
+        cfg.update(F16_RULE)                                                # INT8, one row: fp16 pairs (bf16 x)
     cfg.update(GEMV_OVERRIDES.get((method, N, K), {}))
     cfg.update(config or {})
     cfg["SUB_K"] = _block_k(bits, group_size, cfg["BLOCK_K"])              # one INT4 group per sub-tile
@@ -786,14 +789,24 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     return out
 
 
+def one_row_f16(N: int, K: int, method: str, dtype: torch.dtype) -> bool:
+    "Whether one row of `dtype` activations through an INT8 [N, K] layer takes the GEMV's packed fp16 pairs."
+    cfg = gemv_config(1, N, K, method, None, 132)   # (the split does not matter here)
+    return method == "int8" and dtype == torch.bfloat16 and bool(cfg.get("F16")) and cfg["BLOCK_K"] % 8 == 0 and (
+        N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0)
+
+
 def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                  pdl: bool = False) -> torch.Tensor:
     """x [T, K] @ dequantize(W).T (+ bias) with the Triton kernels: GEMV up to `GEMV_MAX_T` rows (`pdl`: with
-    programmatic dependent launch) unless `FEW_ROWS_GEMM` names the layer, else GEMM."""
+    programmatic dependent launch) unless `FEW_ROWS_GEMM` names the layer (and the row cannot take the fp16
+    pairs), else GEMM."""
     if not kernels_support(method, group_size):
         raise ValueError(f"the Triton kernels need group_size % 32 == 0 for int4, got {group_size}")
     few = x.shape[0] <= GEMV_MAX_T
     gemm_cfg = FEW_ROWS_GEMM.get((method, qweight.shape[0], x.shape[-1])) if few else None
+    if gemm_cfg is not None and x.shape[0] == 1 and one_row_f16(qweight.shape[0], x.shape[-1], method, x.dtype):
+        gemm_cfg = None                       # one bf16 row: the GEMV's fp16 pairs beat the GEMM (measured)
     if few and gemm_cfg is None: return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl)
     return quant_gemm(x, qweight, scales, zeros, bias, method, group_size, config=gemm_cfg)
 

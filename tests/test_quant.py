@@ -242,7 +242,7 @@ def test_configs_and_overrides():
     saved = dict(GEMV_OVERRIDES)
     assert saved == TUNED_GEMV                                                   # the package ships the H200 table
     down = gemv_config(1, 3584, 18944, "int4", 128, 132)                         # ... and uses it: the words path
-    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["HALF2"]) == (64, 128, True, True)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["ZPAIR"]) == (128, 128, True, True)
     assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
     try:
         GEMV_OVERRIDES.clear()                                                   # the rules alone
@@ -251,6 +251,11 @@ def test_configs_and_overrides():
         assert "WORDS" not in down and gemv_config(2, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
         one = gemv_config(1, 3584, 18944, "int4", 128, 132)                      # one row: the words rule
         assert (one["WORDS"], one["BLOCK_N"], one["BLOCK_K"], one["SPLIT_K"]) == (True, 64, 128, 10)
+        assert one["ZPAIR"] and one["SHIFT"] and not gemv_config(1, 3584, 18944, "int8", None, 132).get("WORDS")
+        f16 = gemv_config(1, 3584, 18944, "int8", None, 132)                    # INT8, one row: the fp16 pairs rule
+        assert (f16["F16"], f16["BLOCK_N"], f16["BLOCK_K"]) == (True, 32, 256)
+        assert not gemv_config(2, 3584, 18944, "int8", None, 132).get("F16")     # two rows: no
+        assert not gemv_config(1, 3584, 18944 + 128, "int8", None, 132).get("F16")  # 256 does not divide K: no
         assert words_path(1, 3584, 18944, "int4", 128, one)
         assert not gemv_config(1, 3584, 3584, "int4", 96, 132).get("WORDS")      # a group of 96: no words
         assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32         # a sub-tile never crosses a group
@@ -416,7 +421,7 @@ def test_import_without_interpret_on_cpu():
 HALF2_COMPILE = """
 import nanoserve.quant as Q
 for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}, {"DOT": True}):
-    cfg = {**cfg, "BLOCK_N": 64, "num_warps": 4}
+    cfg = {"ZPAIR": False, "SHIFT": False, **cfg, "BLOCK_N": 64, "num_warps": 4}   # over the table: its switches off
     cc = Q.compile_one_row(3584, 3584, "int4", 128, config=cfg)
     ptx = cc.asm["ptx"]
     print(len(cc.asm["cubin"]), ptx.count("lop3.b32"), ptx.count("fma.rn.bf16x2"), ptx.count("cvt.f32.bf16"),
@@ -463,23 +468,27 @@ def test_int8_pairs_ptx_compiles_for_hopper():
 def test_gemv_launch_matches_the_rules():
     "What `compile_one_row` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
     from nanoserve.quant import gemv_launch, PAIRS_ASM, PAIRS_ASM_SHIFT
-    gpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=False)
-    assert gpu["constexprs"]["HALF2"] and gpu["constexprs"]["ASM"] == PAIRS_ASM and not gpu["constexprs"]["ZPAIR"]
-    cpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=True)
+    gpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=False)    # the tuned table
+    assert gpu["constexprs"]["HALF2"] and gpu["constexprs"]["ZPAIR"] and gpu["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
+    assert not gpu["constexprs"]["EMULATE"] and gpu["maxnreg"] == 128
+    plain = {"ZPAIR": False, "SHIFT": False}
+    shipped = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, plain, interpret=False)
+    assert shipped["constexprs"]["HALF2"] and shipped["constexprs"]["ASM"] == PAIRS_ASM
+    cpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, plain, interpret=True)
     assert not cpu["constexprs"]["HALF2"] and cpu["constexprs"]["ASM"] == ""       # no PTX under the interpreter
     z = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, {"ZPAIR": True, "SHIFT": True}, interpret=True)
     assert z["constexprs"]["ZPAIR"] and z["constexprs"]["EMULATE"] and z["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
     f = gemv_launch(1, 3584, 3584, "int4", 128, torch.float32, 132, {"ZPAIR": True}, interpret=False)
     assert not (f["constexprs"]["HALF2"] or f["constexprs"]["ZPAIR"])               # fp32 activations: no pairs
-    assert gpu["grid"] == (3584 // 64, 14) and gpu["pdl"] is False                  # the tuned table; pdl asked: no
+    assert gpu["grid"] == (3584 // 128, 14) and gpu["pdl"] is False     # the table: 16 splits of 28 tiles, 14 used
     assert gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, pdl=True, interpret=False)["pdl"]
     i8 = lambda M, dtype, cfg: gemv_launch(M, 3584, 3584, "int8", None, dtype, 132, cfg, interpret=False)["constexprs"]
-    assert i8(1, torch.bfloat16, {"F16": True})["F16"] and not i8(1, torch.bfloat16, {})["F16"]
+    assert i8(1, torch.bfloat16, {})["F16"] and not i8(1, torch.bfloat16, {"F16": False})["F16"]     # the table: F16
     assert not i8(2, torch.bfloat16, {"F16": True})["F16"] and not i8(1, torch.float16, {"F16": True})["F16"]
     assert not i8(1, torch.bfloat16, {"F16": True, "BLOCK_K": 512 + 8})["F16"]     # the tile must divide K
     cap = lambda interpret: gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, {"MAXNREG": 80},
                                         interpret=interpret)["maxnreg"]
-    assert cap(False) == 80 and cap(True) is None and gpu["maxnreg"] is None        # a register cap: GPU only
+    assert cap(False) == 80 and cap(True) is None and shipped["maxnreg"] == 128     # a register cap: GPU only
 
 
 # -- through the engine ---------------------------------------------------------------------------------------
