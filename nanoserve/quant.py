@@ -509,8 +509,9 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 @triton.jit
 def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, M, N, K, stride_xm, stride_qn,
                  stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    "One K tile on the tensor cores: activations [BLOCK_M, BLOCK_K] times dequantized weights -> fp32 [BLOCK_M, BLOCK_N]."
+                 UPCAST: tl.constexpr, PACKED: tl.constexpr = False):
+    """One K tile on the tensor cores: activations [BLOCK_M, BLOCK_K] times dequantized weights -> fp32 [BLOCK_M,
+    BLOCK_N]. `PACKED` (INT4): the weights arrive as int32 words and are dequantized two at a time (`DEQUANT_ASM`)."""
     m_mask = offs_m < M
     n_mask = offs_n < N
     k = k0 + tl.arange(0, BLOCK_K)
@@ -521,6 +522,16 @@ def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, 
         q = tl.load(qweight_ptr + offs_n[None, :] * stride_qn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
                     other=0)                                                  # [BLOCK_K, BLOCK_N] int8
         return tl.dot(x, q.to(x.dtype))                                       # the scale comes after the K loop
+    elif PACKED:
+        NW: tl.constexpr = BLOCK_K // 8
+        kw = k0 // 8 + tl.arange(0, NW)                                       # word index: inputs 8 kw + m
+        words = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kw[None, :],
+                        mask=n_mask[:, None] & (kw < K // 8)[None, :], other=0)      # [BLOCK_N, NW] int32
+        grp = k0 // GROUP                                                     # the tile lies inside one group
+        zb = tl.load(zeros_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0).to(tl.int32) | 0xC300
+        s = tl.load(scales_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0)
+        w = _dequant_words(words, (zb | (zb << 16))[:, None], UPCAST)         # [BLOCK_N, BLOCK_K]: q - z
+        return tl.dot(x, tl.trans(w)) * s[None, :]
     else:
         HALF: tl.constexpr = BLOCK_K // 2
         kp = k0 // 2 + tl.arange(0, HALF)                                     # byte index = input pair
@@ -538,7 +549,8 @@ def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, 
 def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                       tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                      PACKED: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -551,7 +563,7 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for t in range(t_begin, t_end):
         acc += _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, t * BLOCK_K, M, N, K,
-                            stride_xm, stride_qn, stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, UPCAST)
+                            stride_xm, stride_qn, stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, UPCAST, PACKED)
     if BITS == 8:
         acc = acc * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om,
@@ -730,13 +742,14 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
     from triton.compiler import ASTSource
     if INTERPRET: raise RuntimeError("compile_one_row needs TRITON_INTERPRET=0 when nanoserve is imported")
     if gemm:
-        run, kernel = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False), quant_gemm_kernel
+        run = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False, dtype=dtype)
+        kernel = quant_gemm_kernel
     else:
         run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False)
         kernel = quant_gemv_kernel
     c = {**run["constexprs"], "HAS_BIAS": bias}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False) or c.get("F16", False)
+    int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False) or c.get("F16", False) or c.get("PACKED", False)
     ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
             "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
             "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
@@ -759,12 +772,15 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
 
 
 def gemm_launch(M: int, N: int, K: int, method: str, group_size: int | None, sms: int, config: dict | None = None,
-                interpret: bool = INTERPRET) -> dict:
-    "Everything `quant_gemm` launches `quant_gemm_kernel` with but the tensors (as `gemv_launch`)."
+                interpret: bool = INTERPRET, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Everything `quant_gemm` launches `quant_gemm_kernel` with but the tensors (as `gemv_launch`). `PACKED`: INT4
+    read as words and dequantized in packed bf16 pairs (bf16 activations; the interpreter emulates it)."""
     cfg = gemm_config(M, N, K, method, group_size, sms, config)
     per, split_k = split_tiles(K, cfg["BLOCK_K"], cfg["SPLIT_K"])
+    packed = (method == "int4" and bool(cfg.get("PACKED")) and K % 8 == 0 and cfg["BLOCK_K"] % 8 == 0
+              and (dtype == torch.bfloat16 or interpret))
     constexprs = dict(BITS=_bits(method), GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_K=cfg["BLOCK_K"], SPLIT=split_k > 1, UPCAST=interpret)
+                      BLOCK_K=cfg["BLOCK_K"], SPLIT=split_k > 1, UPCAST=interpret, PACKED=packed)
     return {"grid": (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per,
             "constexprs": constexprs, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": False}
 
@@ -778,13 +794,14 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0: return out
     run = gemm_launch(M, N, K, method, group_size, num_sms(x.device),
-                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})})
+                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, dtype=x.dtype)
     grid = run["grid"]
+    q = qweight.view(torch.int32) if run["constexprs"]["PACKED"] else qweight   # 8 nibbles a word [N, K / 8]
     part = torch.empty(grid[2], M, N, dtype=torch.float32, device=x.device) if grid[2] > 1 else out  # [S, T, N]
     counters = split_counters(x.device, grid[0] * grid[1]) if grid[2] > 1 else out
     quant_gemm_kernel[grid](
-        x, qweight, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0),
-        qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **run["constexprs"],
+        x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0),
+        q.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **run["constexprs"],
         num_warps=run["num_warps"], num_stages=run["num_stages"])
     return out
 

@@ -208,6 +208,28 @@ def test_gemm_matches_reference(method, K, G, dtype):
 
 
 @interp
+@pytest.mark.parametrize("K,G,N", [(256, 64, 72), (384, 128, 40)])
+def test_gemm_packed_words_match_reference(K, G, N):
+    """The INT4 GEMM reading words and dequantizing in packed pairs (`PACKED`; the interpreter emulates the PTX),
+    at 5-40 rows, with a bias, split-K, a ragged last channel tile; a zero point off by one changes the output."""
+    from nanoserve.quant import gemm_launch
+    torch.manual_seed(1)
+    packed = quantize_int4(torch.randn(N, K) * 0.05, G)
+    bias = torch.randn(N)
+    assert gemm_launch(8, N, K, "int4", G, 132, {"PACKED": True}, interpret=True, dtype=torch.float32)["constexprs"]["PACKED"]
+    assert not gemm_launch(8, N, K, "int4", G, 132, {"PACKED": True}, interpret=False,
+                           dtype=torch.float16)["constexprs"]["PACKED"]          # the GPU's PTX: bf16 only
+    for T, split, bn in ((5, None, 32), (17, 1, 64), (40, 3, 32)):
+        x = torch.randn(T, K)
+        ref = quant_matmul_ref(x, *packed, bias, "int4", G)
+        cfg = {"PACKED": True, "BLOCK_N": bn, "BLOCK_K": min(G, 64)}
+        out = quant_gemm(x, *packed, bias, "int4", G, split_k=split, config=cfg)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    shifted = (packed[0], packed[1], (packed[2].int() + 1).clamp(max=15).to(packed[2].dtype))
+    assert not torch.allclose(quant_gemm(x, *shifted, bias, "int4", G, config=cfg), out, atol=1e-3)
+
+
+@interp
 def test_gemv_split_edge_cases():
     torch.manual_seed(0)
     packed = quantize_int4(torch.randn(64, 256), 64)
