@@ -27,12 +27,12 @@ METHODS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['METHODS', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T',
-           'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'QUANT_TARGETS', 'quantize_int8',
-           'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4', 'dequantize',
-           'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
-           'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv', 'compile_one_row',
-           'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding',
-           'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'PACKED_MAX_T', 'TUNED_GEMM',
+           'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4',
+           'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel',
+           'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv',
+           'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes',
+           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #f9f6b103
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -606,6 +606,15 @@ FEW_ROWS_GEMM: dict[tuple[str, int, int], dict] = {       # (method, N, K) -> GE
     ("int8", 37888, 3584): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     ("int8", 3584, 18944): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
 }
+PACKED_MAX_T = 32        # INT4's GEMM up to this many rows reads words and dequantizes in packed pairs (`PACKED`)
+# The INT4 GEMM's best tiles with `PACKED` per 7B layer shape and row tile (`BLOCK_M` 16: 8 rows; 32: 32 rows), from
+# `kernels/quant_gemm_h200.py` (git 6a88c7f, figures/data/quant_gemm_h200.json, "best_packed_tiles").
+TUNED_GEMM: dict[tuple[str, int, int, int], dict] = {      # (method, N, K, BLOCK_M) -> GEMM tiles
+    ("int4", 4608, 3584, 32): {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+    ("int4", 3584, 3584, 32): {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+    ("int4", 37888, 3584, 16): {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    ("int4", 3584, 18944, 32): {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+}
 
 
 def _bits(method: str) -> int: return 8 if method == "int8" else 4
@@ -648,7 +657,7 @@ def gemv_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
 
 def gemm_config(M: int, N: int, K: int, method: str, group_size: int | None, sms: int,
                 config: dict | None = None) -> dict:
-    "The GEMM's blocks, warps, stages and split for one call: the rules, then `config`."
+    "The GEMM's blocks, warps, stages and split for one call: the rules, then `TUNED_GEMM`, then `config`."
     bits = _bits(method)
     if M >= 128 and not INTERPRET:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64 if bits == 8 else 128, "num_warps": 8,
@@ -656,6 +665,9 @@ def gemm_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
     else:
         cfg = {"BLOCK_M": max(16, min(64, triton.next_power_of_2(M))), "BLOCK_N": 64, "BLOCK_K": 128,
                "num_warps": 4, "num_stages": 3}
+    if bits == 4 and M <= PACKED_MAX_T:
+        cfg["PACKED"] = True                                                # words, packed pairs (measured 8-32 rows)
+        cfg.update(TUNED_GEMM.get((method, N, K, cfg["BLOCK_M"]), {}))
     cfg.update(config or {})
     cfg["BLOCK_K"] = _block_k(bits, group_size, cfg["BLOCK_K"])
     if cfg.get("SPLIT_K") is None:

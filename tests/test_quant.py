@@ -283,6 +283,11 @@ def test_configs_and_overrides():
         assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32         # a sub-tile never crosses a group
         assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128})["SUB_K"] == 128
         assert gemm_config(40, 3584, 3584, "int4", 64, 132)["BLOCK_K"] == 64
+        gu8, gu32 = gemm_config(8, 37888, 3584, "int4", 128, 132), gemm_config(32, 37888, 3584, "int4", 128, 132)
+        assert gu8["PACKED"] and (gu8["BLOCK_M"], gu8["BLOCK_N"], gu8["num_warps"]) == (16, 128, 8)   # TUNED_GEMM
+        assert gu32["PACKED"] and (gu32["BLOCK_M"], gu32["BLOCK_N"]) == (32, 64)                       # the rule
+        assert not gemm_config(33, 37888, 3584, "int4", 128, 132).get("PACKED")    # past the measured rows
+        assert not gemm_config(8, 37888, 3584, "int8", None, 132).get("PACKED")
         GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
         c = gemv_config(1, 3584, 18944, "int8", None, 132)
         assert (c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) == (64, 8, 1)
