@@ -78,8 +78,10 @@ def with_words(on: bool):
 
 
 def with_int4_table(on: bool):
-    "The package's INT4 one-row table (the control of what `int4words` kept in this run)."
-    if on: GEMV_OVERRIDES.update(INT4_TABLE)
+    "The package's INT4 one-row table (the control of what `int4words` kept in this run): its entries, no others."
+    if on:
+        GEMV_OVERRIDES.update(INT4_TABLE)
+        for k in [k for k in GEMV_OVERRIDES if k[0] == "int4" and k not in INT4_TABLE]: del GEMV_OVERRIDES[k]
 
 
 def with_pairs(on: bool):
@@ -94,6 +96,8 @@ def with_int8(table: bool, gemv_only: bool):
     """INT8 at one row: the configs and `FEW_ROWS_GEMM` that `int4words` kept (now) or the package's (the "int8
     table" control); with `gemv_only` no layer takes the tensor-core GEMM (the "int8 gemv only" control)."""
     GEMV_OVERRIDES.update(INT8_TABLE if table else INT8_NOW)
+    if table:                                                   # the package's entries, no others
+        for k in [k for k in GEMV_OVERRIDES if k[0] == "int8" and k not in INT8_TABLE]: del GEMV_OVERRIDES[k]
     FEW_ROWS_GEMM.clear()
     if not gemv_only: FEW_ROWS_GEMM.update(PACKAGE_FEW_ROWS_GEMM if table else ORIGINAL_FEW_ROWS_GEMM)
 
@@ -379,7 +383,7 @@ def quant_one_row(res, budget_s=60.0):
         del w; torch.cuda.empty_cache()
 
 
-def int4_words(res, budget_s=100.0, methods=("int4", "int8")):
+def int4_words(res, budget_s=100.0, methods=("int4", "int8"), shape="7B"):
     """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
     launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
     inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`, or dequantized the same
@@ -402,7 +406,7 @@ def int4_words(res, budget_s=100.0, methods=("int4", "int8")):
             for f16, st in ((True, 1), (False, 3)) for bk in (128, 256, 512) for n in (16, 32, 64, 128) for w in (4, 8)
             if n * bk // (32 * w) >= 8 and n * bk <= 32768 and (f16 or bk <= 256)]
     for method in methods:
-        for name, N, K, act, bias in layer_shapes("7B"):
+        for name, N, K, act, bias in layer_shapes(shape):
             t0 = time.perf_counter()
             w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
             q, qs, qb = quantized_copies(w, method)
@@ -496,6 +500,7 @@ def main():
     ap.add_argument("--parts", default="profile")
     ap.add_argument("--budget", type=float, default=45.0, help="int4words: seconds of trials a layer")
     ap.add_argument("--methods", default="int4,int8", help="int4words: the methods swept")
+    ap.add_argument("--shape", default="7B", help="int4words: the model shape whose projections are swept")
     ap.add_argument("--overrides", default=None, help="an earlier run's JSON: take what its int4words kept")
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
@@ -503,7 +508,8 @@ def main():
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
-                      + (f" --budget {args.budget} --methods {args.methods}" if "int4words" in args.parts else "")
+                      + (f" --budget {args.budget} --methods {args.methods} --shape {args.shape}"
+                         if "int4words" in args.parts else "")
                       + (f" --overrides {args.overrides}" if args.overrides else "")}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
@@ -516,6 +522,7 @@ def main():
         ("int8 table", {"quantization": "int8"}),
         ("int8 lm_head", {"quantization": "int8", "quantize_lm_head": True}),   # the LM head quantized too
         ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True}))
+    quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
@@ -527,7 +534,8 @@ def main():
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
-             "int4words": lambda: int4_words(res, args.budget, tuple(args.methods.split(",")))}
+             "int4words": lambda: int4_words(res, args.budget, tuple(args.methods.split(",")), args.shape),
+             "rate05q": lambda: rates(d05, res, "0.5B", [1], (("defaults", {}),) + quant05)}
     if args.overrides: load_overrides(args.overrides)
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
