@@ -561,6 +561,31 @@ print(json.dumps([rows, S.ncu_counts(S.Path("figures/data/quant_ncu_h200.csv"))[
 """
 
 
+MAXNREG_COMPILE = """
+import json, sys
+sys.path.insert(0, "kernels")
+import quant_sass_cpu as S
+import nanoserve.quant as Q
+cfg = {"ZPAIR": True, "SHIFT": True, "BLOCK_N": 256, "num_warps": 4, "SPLIT_K": 8, "MAXNREG": None}
+regs = [S.disassemble(Q.compile_one_row(37888, 3584, "int4", 128, config={**cfg, "MAXNREG": cap}).asm["cubin"])[1]["REG"]
+        for cap in (None, 128)]
+print(json.dumps(regs))
+"""
+
+
+def test_register_cap_reaches_ptxas():
+    "A config's `MAXNREG` reaches ptxas: the 256-channel INT4 gate/up tile takes over 128 registers uncapped."
+    import json, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", MAXNREG_COMPILE], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    free, capped = json.loads(r.stdout.strip().splitlines()[-1])
+    assert free > 128 >= capped, (free, capped)
+
+
 def test_static_instruction_counts_agree_with_nsight():
     """`kernels/quant_sass_cpu.py` on this CPU (Triton's ptxas, nvdisasm, cuobjdump): the INT8 gate/up GEMV is the
     kernel Nsight Compute profiled on the H200 (figures/data/quant_ncu_h200.csv), so its static estimate must come
