@@ -16,7 +16,7 @@ side in one run with `async_scheduling=False` as the control:
    continuous and static:32, async and sync, each twice, each run in a fresh process;
 5. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), async, twice.
 """
-import argparse, json, os, sys, time
+import json, sys
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import graphs_h200 as G                                      # noqa: E402  (steady-decode rows, floors, 7B weights)
 import mixed_graphs_h200 as M                                # noqa: E402  (offline runs, nano-vllm workload)
-from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
+from nanoserve.bench import random_checkpoint                # noqa: E402
 
 G.CONFIGS.update({"sync": dict(fused_kernels=True, async_scheduling=False),
                   "async": dict(fused_kernels=True, async_scheduling=True)})
@@ -74,12 +74,7 @@ def kernel_names(model_dir, res, batches=(1, 64), steps=16):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="parity,decode,7b,offline,nanovllm")
-    args = ap.parse_args()
-    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/async_h200.py --parts {args.parts}"}
-    out = Path(args.out) / "async_h200.json"
+    args, res, out = G.script_args("async_h200", "parity,decode,7b,offline,nanovllm")
     d05 = random_checkpoint("0.5B")
     common = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
     parts = {

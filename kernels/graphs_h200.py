@@ -238,6 +238,17 @@ def run_parts(parts: dict, names: str, res: dict, out: Path) -> None:
         out.write_text(json.dumps(res, indent=1))
 
 
+def script_args(script: str, default_parts: str):
+    """The `--out` and `--parts` arguments a kernels/ script takes; its result dict (run metadata, the command) and
+    the path of its JSON."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default=default_parts)
+    args = ap.parse_args()
+    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/{script}.py --parts {args.parts}"}
+    return args, res, Path(args.out) / f"{script}.json"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -13,7 +13,7 @@ a. gemm: each projection at T in (8, 32): bf16 F.linear, the package's INT4 GEMM
 b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32: bf16, INT4 as shipped, INT4 with
    PACKED (the package's `gemm_config` wrapped to add it, with part a's best tiles), two timed passes each.
 """
-import argparse, functools, json, os, sys, time
+import json, sys
 from pathlib import Path
 
 import torch
@@ -22,7 +22,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import graphs_h200 as G                                                       # noqa: E402
 from diet_h200 import layer_operands, layer_shapes, quantized_copies          # noqa: E402
-from nanoserve.bench import run_meta                                          # noqa: E402
 import nanoserve.quant as Q                                                   # noqa: E402
 
 ORIGINAL_GEMM_CONFIG = Q.gemm_config
@@ -76,12 +75,7 @@ def rate(res):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="gemm,rate")
-    args = ap.parse_args()
-    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/quant_gemm_h200.py --parts {args.parts}"}
-    out = Path(args.out) / "quant_gemm_h200.json"
+    args, res, out = G.script_args("quant_gemm_h200", "gemm,rate")
     G.run_parts({"gemm": lambda: gemm(res), "rate": lambda: rate(res)}, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 
