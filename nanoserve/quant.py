@@ -385,8 +385,8 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     if BITS == 8 and F16:                     # INT8, one row, EVEN: bytes in packed fp16 pairs (PTX), 8 a call
         NWB: tl.constexpr = BLOCK_K // 8                                      # word pairs a row a tile
-        # a 2-D tile, contiguous along K: a warp's loads cover whole rows (a [BLOCK_N, NWB, 2] pointer tile was
-        # laid out down the rows, one 8-byte piece of 32 rows a load: L1-bound at a quarter of the copy bandwidth)
+        # a 2-D tile, contiguous along K: 16-byte loads (the [BLOCK_N, NWB, 2] pointer tile it replaced gave 8-byte
+        # loads that Nsight Compute found L1-bound, DRAM at a quarter of its peak)
         wp = qweight_ptr + offs_n[:, None] * stride_qn + tl.arange(0, 2 * NWB)[None, :]  # [BLOCK_N, 2 NWB] words
         w2 = tl.load(wp + t_begin * (BLOCK_K // 4))                           # the first tile: before the wait
         pdl_wait(PDL)
@@ -574,11 +574,11 @@ GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the 
 WORDS_RULE = {"WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "BLOCK_N": 64, "num_warps": 4,
               "num_stages": 1, "PAIRS": False}  # INT4 at one row: words of nibbles, on a GPU two weights an instruction
 F16_RULE = {"F16": True, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}  # INT8 at one row: fp16 pairs
-# The best GEMV configuration per 7B and 0.5B layer shape at one row, from `kernels/diet_h200.py --parts int4words`: INT8
-# in packed fp16 pairs (`F16`) from git b5bd1b3 (figures/data/quant_f16_h200.json), INT4 (words of 8 nibbles in
-# packed bf16 pairs with the zero point inside the pairs and the lanes taken by a shift, `WORDS` + `HALF2` +
-# `ZPAIR` + `SHIFT`) from git fbfebb4 (figures/data/quant_zpair_h200.json); some under a register cap
-# (`MAXNREG`). Any other shape uses the rules.
+# The best GEMV configuration per 7B and 0.5B layer shape at one row, from `kernels/diet_h200.py --parts
+# int4words`: for the 7B shape INT8 in packed fp16 pairs (`F16`) from git b5bd1b3 (figures/data/quant_f16_h200.json)
+# and INT4 (words of 8 nibbles in packed bf16 pairs with the zero point inside the pairs and the lanes taken by a
+# shift, `WORDS` + `HALF2` + `ZPAIR` + `SHIFT`) from git fbfebb4 (figures/data/quant_zpair_h200.json); some under a
+# register cap (`MAXNREG`). Any other shape uses the rules.
 TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1, "PAIRS": True,
                            "SPLIT_K": 8, "F16": True, "MAXNREG": 64},
