@@ -7,7 +7,8 @@ For each 7B projection and each variant of the kernel, `nanoserve.quant.compile_
 row; the script disassembles it, finds the main loop (the largest backward branch), and writes to
 quant_sass_cpu.json: registers a thread, the programs a multiprocessor can hold by registers, the loop's
 instructions by opcode and by source line, the weights a thread handles per trip, the loop's instructions per
-weight, and a whole-kernel estimate (instructions outside the loop once, the loop times its trips). The INT8
+weight, a whole-kernel estimate (instructions outside the loop once, the loop times its trips), and every global
+load by source line and width (a count cannot see how many cache lines a load touches; its width is a hint). The INT8
 gate/up row is checked against what Nsight Compute counted on the H200 for the same kernel
 (figures/data/quant_ncu_h200.csv). Static counts predict the instruction stream, not the time.
 """
@@ -117,6 +118,16 @@ def source_text(src: str) -> str:
     return path.read_text().splitlines()[int(line) - 1].strip() if path.exists() else ""
 
 
+def global_loads(sass: str) -> dict[str, dict[str, int]]:
+    "Every global load of a kernel, by source line: {code: {opcode: count}} (an opcode's suffix is its width)."
+    out: dict[str, dict[str, int]] = {}
+    for _, op, src, _ in instructions(sass)[0]:
+        if op.startswith("LDG"):
+            ops = out.setdefault(source_text(src), {})
+            ops[op] = ops.get(op, 0) + 1
+    return out
+
+
 def count(N: int, K: int, name: str) -> dict:
     method, cfg = VARIANTS[name]
     group = 128 if method == "int4" else None
@@ -149,7 +160,7 @@ def count(N: int, K: int, name: str) -> dict:
             "loop_opcodes": dict(Counter(family(i[1]) for i in loop).most_common()),
             "loop_by_source_line": [{"line": src, "instructions": n, "code": source_text(src)}
                                     for src, n in Counter(i[2] for i in loop).most_common()],
-            "kernel_instructions": len(ins),
+            "kernel_instructions": len(ins), "global_loads": global_loads(sass),
             "estimated_warp_instructions": estimate,
             "estimated_instructions_per_weight": round(estimate * 32 / (N * K), 3)}
 

@@ -573,6 +573,37 @@ print(json.dumps(regs))
 """
 
 
+TABLE_LOADS = """
+import json, sys
+sys.path.insert(0, "kernels")
+import quant_sass_cpu as S
+import nanoserve.quant as Q
+out = {}
+for m, N, K in Q.TUNED_GEMV:
+    cc = Q.compile_one_row(N, K, m, 128 if m == "int4" else None)
+    out[f"{m} {N}x{K}"] = S.global_loads(S.disassemble(cc.asm["cubin"])[0])
+print(json.dumps(out))
+"""
+
+
+def test_table_kernels_load_weights_16_bytes_at_a_time():
+    """Every kernel of the tuned one-row table loads its weight tile 16 bytes an instruction (`LDG.E.128`), compiled
+    for sm_90 on the CPU. The fp16 pairs' first version loaded 8 bytes at a time and ran L1-bound, twice as slow."""
+    import json, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", TABLE_LOADS], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kernels = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(kernels) == len(TUNED_GEMV)
+    for name, loads in kernels.items():
+        widths = {op for code, ops in loads.items() if code.startswith(("w2 = tl.load(wp", "words = tl.load(wp"))
+                  for op in ops}
+        assert widths == {"LDG.E.128"}, (name, loads)
+
+
 def test_register_cap_reaches_ptxas():
     "A config's `MAXNREG` reaches ptxas: the 256-channel INT4 gate/up tile takes over 128 registers uncapped."
     import json, subprocess, sys
