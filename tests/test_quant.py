@@ -445,6 +445,19 @@ def test_import_without_interpret_on_cpu():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def compiled_run(script: str, timeout: int = 600) -> str:
+    """Run `script` in a fresh Python with TRITON_INTERPRET=0 from the repository root (it compiles for sm_90 on the
+    CPU, it does not interpret; `kernels/` importable): its standard output."""
+    import subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                       cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 HALF2_COMPILE = """
 import nanoserve.quant as Q
 for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}, {"DOT": True}):
@@ -460,11 +473,7 @@ def test_half2_ptx_compiles_for_hopper():
     """The packed-pairs path's inline PTX in its four forms (shipped; zero point in the pairs; lanes by shift; both)
     and the tensor-core words path, compiled for sm_90 on the CPU (Triton's ptxas) with what `quant_gemv` would
     launch: they run on a GPU only."""
-    import subprocess, sys
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", HALF2_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [tuple(map(int, line.split())) for line in r.stdout.split("\n") if line.strip()]
+    rows = [tuple(map(int, line.split())) for line in compiled_run(HALF2_COMPILE).split("\n") if line.strip()]
     # 64 channels x 16 words over 128 threads: 8 words a thread, each 4 lop3 and 8 packed multiply-adds, and two
     # cvt per word unless the lanes are taken by a shift and a mask; the tensor cores: 4 lop3 and 4 packed adds a
     # word, and the mma instructions
@@ -482,11 +491,7 @@ print(len(cc.asm["cubin"]), ptx.count("prmt.b32"), ptx.count("fma.rn.f16x2"), pt
 
 def test_int8_pairs_ptx_compiles_for_hopper():
     "INT8 at one row in fp16 pairs (`F16`), compiled for sm_90 on the CPU as `quant_gemv` would launch it."
-    import subprocess, sys
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", INT8_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cubin, prmt, fma, cvt = map(int, r.stdout.split())
+    cubin, prmt, fma, cvt = map(int, compiled_run(INT8_COMPILE).split())
     # 64 channels x 16 word pairs over 128 threads: 8 calls a thread, each 4 byte permutes and 4 multiply-adds;
     # the activation pairs are converted once per pair a thread holds
     assert cubin > 0 and (prmt, fma) == (32, 32) and 0 < cvt <= 16
@@ -589,14 +594,8 @@ print(json.dumps(out))
 def test_table_kernels_load_weights_16_bytes_at_a_time():
     """Every kernel of the tuned one-row table loads its weight tile 16 bytes an instruction (`LDG.E.128`), compiled
     for sm_90 on the CPU. The fp16 pairs' first version loaded 8 bytes at a time and ran L1-bound, twice as slow."""
-    import json, subprocess, sys
-    from pathlib import Path
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", TABLE_LOADS], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    kernels = json.loads(r.stdout.strip().splitlines()[-1])
+    import json
+    kernels = json.loads(compiled_run(TABLE_LOADS, 900).strip().splitlines()[-1])
     assert len(kernels) == len(TUNED_GEMV)
     for name, loads in kernels.items():
         widths = {op for code, ops in loads.items() if code.startswith(("w2 = tl.load(wp", "words = tl.load(wp"))
@@ -606,14 +605,8 @@ def test_table_kernels_load_weights_16_bytes_at_a_time():
 
 def test_register_cap_reaches_ptxas():
     "A config's `MAXNREG` reaches ptxas: the 256-channel INT4 gate/up tile takes over 128 registers uncapped."
-    import json, subprocess, sys
-    from pathlib import Path
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", MAXNREG_COMPILE], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    free, capped = json.loads(r.stdout.strip().splitlines()[-1])
+    import json
+    free, capped = json.loads(compiled_run(MAXNREG_COMPILE).strip().splitlines()[-1])
     assert free > 128 >= capped, (free, capped)
 
 
@@ -622,14 +615,8 @@ def test_static_instruction_counts_agree_with_nsight():
     kernel Nsight Compute profiled on the H200 (figures/data/quant_ncu_h200.csv), so its static estimate must come
     within 5% of the instructions Nsight counted, with the same registers; and the zero point inside the INT4 pairs
     must count fewer instructions than the shipped pairs."""
-    import json, subprocess, sys
-    from pathlib import Path
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", SASS_COUNT], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=root)                  # a process of its own: the script compiles, it does not interpret
-    assert r.returncode == 0, r.stderr[-3000:]
-    (int8, zpair, shipped, gemm), ncu = json.loads(r.stdout.strip().splitlines()[-1])
+    import json
+    (int8, zpair, shipped, gemm), ncu = json.loads(compiled_run(SASS_COUNT).strip().splitlines()[-1])
     assert abs(int8["estimated_warp_instructions"] / ncu["Executed Instructions"] - 1) < 0.05
     assert int8["registers"] == ncu["Registers Per Thread"] and int8["config"]["kernel"] == "quant_gemv_kernel"
     assert zpair["estimated_instructions_per_weight"] < shipped["estimated_instructions_per_weight"]
