@@ -7,9 +7,11 @@ Run on the device machine from the repo root:
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_gemm_h200.py --out $OUT
 Writes quant_gemm_h200.json (raw numbers, git sha, GPU, versions, date) after every part; copy it to figures/data/.
 a. gemm: each projection at T in (8, 32): bf16 F.linear, the package's INT4 GEMM (its rule's tiles), and PACKED
-   over a few tiles (BLOCK_N, num_warps 4 or 8, num_stages 3 or 4; BLOCK_K = the group), each timed by graph_bench (calls over
-   enough weight copies to defeat L2, captured in one CUDA graph); max relative error against the fp32 reference.
-   The best PACKED tiles per (layer, T) are kept for part b.
+   over a few tiles (BLOCK_N, num_warps 4 or 8, num_stages 3 or 4; BLOCK_K = the group), each timed by
+   graph_bench (calls over enough weight copies to defeat L2, captured in one CUDA graph); max relative error
+   against the fp32 reference.
+   The best PACKED tiles per (layer, T) are kept for part b. `--parts prefill` does the same at 128 and 512 rows
+   (where the package does not take PACKED yet: not timed), into "prefill".
 b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32: bf16, INT4 as shipped, INT4 with
    PACKED (the package's `gemm_config` wrapped to add it, with part a's best tiles), two timed passes each.
 """
@@ -35,13 +37,13 @@ def packed_gemm_config(M, N, K, method, group_size, sms, config=None):
     return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, {**extra, **(config or {})})
 
 
-def gemm(res):
-    rows = res["gemm"] = []
+def gemm(res, row_counts=(8, 32), key="gemm"):
+    rows = res[key] = []
     tiles = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n in (64, 128) for w in (4, 8) for s in (3, 4)]
     for name, N, K, act, bias in layer_shapes("7B"):
         w, b, _, nbytes, ws = layer_operands(N, K, False, bias)
         q, qs, qb = quantized_copies(w, "int4")
-        for T in (8, 32):
+        for T in row_counts:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
             ref = Q.quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", 128)
             err = lambda out: ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -55,9 +57,10 @@ def gemm(res):
                 row["packed"].append({**c, "us": us, "rel_err": err(Q.quant_gemm(x, *q, b, "int4", 128, config=c))})
             best = min(row["packed"], key=lambda r: r["us"])
             row["best_packed"] = best
-            BEST[(N, K, T)] = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages") if k in best}
+            if T <= Q.PACKED_MAX_T:                        # decode rows: the tiles part b runs with
+                BEST[(N, K, T)] = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages") if k in best}
             print(f"gemm {name} T={T}: bf16 {row['bf16_us']:.1f} us, int4 {row['int4_us']:.1f} us, packed "
-                  f"{best['us']:.1f} us {BEST[(N, K, T)]}, errs {row['int4_err']:.1e} "
+                  f"{best['us']:.1f} us {BEST.get((N, K, T), '')}, errs {row['int4_err']:.1e} "
                   f"{max(r['rel_err'] for r in row['packed']):.1e}", flush=True)
             rows.append(row)
         del qs, ws; torch.cuda.empty_cache()
@@ -76,7 +79,8 @@ def rate(res):
 
 def main():
     args, res, out = G.script_args("quant_gemm_h200", "gemm,rate")
-    G.run_parts({"gemm": lambda: gemm(res), "rate": lambda: rate(res)}, args.parts, res, out)
+    G.run_parts({"gemm": lambda: gemm(res), "rate": lambda: rate(res),
+                 "prefill": lambda: gemm(res, (128, 512), "prefill")}, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 
 
