@@ -10,9 +10,9 @@ most of it); a part that starts past BUDGET_S is skipped and marked so. In bf16,
 a. correctness, 7B layer shapes (qkv/o/gate_up/down), INT8 + INT4, T in (1, 4, 16, 512): max relative error vs the
    reference (dequantize to fp32, fp32 matmul) of the FMA GEMV (T <= 4), the tensor-core path with split-K
    (`quant_gemm`, every T: at 4 and 16 rows it is the old split-K tl.dot GEMV, at 512 the tiled GEMM) and the
-   dispatch (`quant_matmul`), and at one row the options not in the tables (`OPTIONS`: INT4 with the zero point
-   inside the pairs, with lanes by shift, on the tensor cores; INT8 in fp16 pairs); one CUDA-graph capture +
-   replay of each path;
+   dispatch (`quant_matmul`), and at one row the kernels' options, each over the tuned table (`OPTIONS`: INT4
+   with the zero point inside the pairs, with lanes by shift, on the tensor cores; INT8 in fp16 pairs); one
+   CUDA-graph capture + replay of each path;
 b. GEMV sweep at T = 1 on the 7B shapes (no bias): the package's rule first, then BLOCK_N x BLOCK_K x num_warps
    candidates (INT4 also with the first version's interleaved nibbles, PAIRS=False; methods interleaved, stops
    after SWEEP_S seconds), each timed by graph_bench (kernels/graphs_h200.py: calls over enough weight copies to
@@ -119,7 +119,7 @@ OPTIONS = {"int4": {"gemv_zpair": {"ZPAIR": True}, "gemv_zpair_shift": {"ZPAIR":
                     "gemv_dot": {"DOT": True, "BLOCK_N": 64, "num_warps": 4}},
            "int8": {"gemv_f16": {"F16": True}, "gemv_f16_64x128": {"F16": True, "BLOCK_N": 64, "BLOCK_K": 128,
                                                                   "num_warps": 4, "SPLIT_K": None}}}
-# the one-row options not in the tuned tables, over them
+# the one-row options, each over the tuned table (which now holds `ZPAIR` + `SHIFT` and `F16` for the 7B layers)
 
 
 def correctness(res):

@@ -30,9 +30,9 @@ __all__ = ['METHODS', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM'
            'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'PACKED_MAX_T', 'TUNED_GEMM',
            'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4',
            'dequantize_int4', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel',
-           'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_launch', 'quant_gemv',
-           'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes',
-           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'f16_path', 'gemv_launch',
+           'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear',
+           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #d6b97876
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -710,6 +710,13 @@ def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg:
             and group_size >= 8)
 
 
+def f16_path(M: int, N: int, K: int, method: str, dtype: torch.dtype, cfg: dict) -> bool:
+    """Whether the GEMV takes INT8 in packed fp16 pairs: asked (`F16`), one bf16 row, blocks dividing the shape, a
+    K tile of whole word pairs."""
+    return (method == "int8" and M == 1 and bool(cfg.get("F16")) and dtype == torch.bfloat16
+            and cfg["BLOCK_K"] % 8 == 0 and N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0)
+
+
 def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype, sms: int,
                 config: dict | None = None, pdl: bool = False, interpret: bool = INTERPRET) -> dict:
     """Everything `quant_gemv` launches `quant_gemv_kernel` with but the tensors: the grid, the tiles per split and
@@ -723,8 +730,7 @@ def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dty
     zpair = half2 and bool(cfg.get("ZPAIR")) and not dot
     half2 = half2 and (zpair or dot or not interpret)  # PTX on a GPU (the interpreter emulates ZPAIR's and DOT's)
     even = N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0               # the blocks divide the shape
-    f16 = (bits == 8 and M == 1 and bool(cfg.get("F16")) and dtype == torch.bfloat16 and cfg["BLOCK_K"] % 8 == 0
-           and even)                                                    # INT8 one row in fp16 pairs
+    f16 = f16_path(M, N, K, method, dtype, cfg)                             # INT8 one row in fp16 pairs
     pdl = pdl and (bits == 8 or words)      # INT4's other paths launch their successor early: measured slower
     constexprs = dict(BITS=bits, GROUP=group_size or 1, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"], SPLIT=split_k > 1, PAIRS=cfg["PAIRS"],
@@ -778,7 +784,8 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
         kernel = quant_gemv_kernel
     c = {**run["constexprs"], "HAS_BIAS": bias}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    int4, split, words = method == "int4", run["grid"][-1] > 1, c.get("WORDS", False) or c.get("F16", False) or c.get("PACKED", False)
+    int4, split = method == "int4", run["grid"][-1] > 1
+    words = c.get("WORDS", False) or c.get("F16", False) or c.get("PACKED", False)     # weights read as int32
     ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
             "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
             "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
@@ -837,9 +844,7 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
 
 def one_row_f16(N: int, K: int, method: str, dtype: torch.dtype) -> bool:
     "Whether one row of `dtype` activations through an INT8 [N, K] layer takes the GEMV's packed fp16 pairs."
-    cfg = gemv_config(1, N, K, method, None, 132)   # (the split does not matter here)
-    return method == "int8" and dtype == torch.bfloat16 and bool(cfg.get("F16")) and cfg["BLOCK_K"] % 8 == 0 and (
-        N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0)
+    return f16_path(1, N, K, method, dtype, gemv_config(1, N, K, method, None, 132))   # (the split does not matter)
 
 
 def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
