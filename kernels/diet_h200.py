@@ -95,6 +95,19 @@ def with_pairs(on: bool):
     WORDS_RULE["HALF2"] = on
 
 
+def with_down_t(on: bool):
+    "Every MLP's down weight re-stored [I, N] at load (a transposed view stands in for [N, I]), or as loaded."
+    import nanoserve.engine as E
+    import nanoserve.model as Mo
+    def transposed(*a, **k):
+        model = Mo.load_model(*a, **k)
+        for layer in model.layers:
+            w = layer.mlp.down_proj.weight
+            layer.mlp.down_proj.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+        return model
+    E.load_model = transposed if on else Mo.load_model
+
+
 def with_int8(table: bool, gemv_only: bool):
     """INT8 at one row: the configs and `FEW_ROWS_GEMM` that `int4words` kept (now) or the package's (the "int8
     table" control); with `gemv_only` no layer takes the tensor-core GEMM (the "int8 gemv only" control)."""
@@ -112,6 +125,7 @@ def patched(cname: str):
     with_words(not cname.endswith("no words"))
     with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
+    with_down_t(cname.endswith("down_t"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -179,6 +193,12 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
             by_name[r["name"][:90]] += r["end_us"] - r["start_us"]
             count[r["name"][:90]] += 1
             spans.append((r["start_us"], r["end_us"]))
+        named = sorted((event_record(e) for e in run.events if is_device_kernel(e)), key=lambda r: r["start_us"])
+        marginal, last_end = defaultdict(float), None    # what each kernel adds to the end of the chain so far
+        for r in named:
+            if last_end is not None and r["start_us"] - last_end < 20:   # inside a step (not the gap between steps)
+                marginal[r["name"][:90]] += max(0.0, r["end_us"] - last_end)
+            last_end = r["end_us"] if last_end is None else max(last_end, r["end_us"])
         spans.sort()
         gaps = [b0 - a1 for (_, a1), (b0, _) in zip(spans, spans[1:])]
         gaps_small = [g for g in gaps if 0 <= g < 20]        # between kernels of one graph (a step's gaps are larger)
@@ -190,6 +210,7 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
                "kernel_us_per_step": sum(by_name.values()) / steps,
                "gap_us_under_20_per_step": sum(gaps_small) / steps, "num_gaps_under_20": len(gaps_small) / steps,
                "gap_us_over_20_per_step": sum(g for g in gaps if g >= 20) / steps,
+               "marginal_us_by_name": {k: v / steps for k, v in sorted(marginal.items(), key=lambda kv: -kv[1])},
                "by_name": {k: {"count": count[k] / steps, "us": v / steps} for k, v in
                            sorted(by_name.items(), key=lambda kv: -kv[1])},
                "ledger_ms": {k: v * 1e3 if isinstance(v, float) else v for k, v in ledger.items()}}
@@ -199,6 +220,8 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
                                                  "gap_us_under_20_per_step", "gap_us_over_20_per_step")}, flush=True)
         print("  ledger", {k: round(v, 3) for k, v in row["ledger_ms"].items()}, flush=True)
         print("  top", [(k[:40], round(v["us"], 1)) for k, v in list(row["by_name"].items())[:12]], flush=True)
+        print("  marginal", [(k[:40], round(v, 1)) for k, v in list(row["marginal_us_by_name"].items())[:14]],
+              flush=True)
         out[b] = row
     for i in list(llm._requests): llm.abort_request(i)
     while llm._inflight is not None: llm.step()
@@ -352,7 +375,7 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
             del ws; torch.cuda.empty_cache()
 
 
-def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=100.0):
+def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=80.0):
     """The one-row MLP: the two `gemv` launches it replaces (gate/up, then down with the activation; tuned configs)
     against `mlp_row` with its rule and candidate slices and blocks, back to back in CUDA graphs with programmatic
     dependent launch over weight copies that defeat L2; outputs against each other and an fp32 reference. The best
@@ -360,8 +383,9 @@ def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=100.0):
     from nanoserve.bench import SHAPES
     from nanoserve.fused import MLP_ROW_CONFIGS, gemv, mlp_row, mlp_row_config, mlp_row_ref
     out = res["mlp"] = {"timer": "graph_bench (us per call), pdl", "rows": [], "chosen": {}}
-    cands = [{}] + [{"CHUNK": c, "BLOCK_K": k, "BLOCK_N": n, "num_warps": w}
-                    for c in (16, 32, 8, 64) for w in (4, 8) for k in (512, 1024, 256) for n in (256, 128, 512)]
+    cands = [({}, False)] + [({"CHUNK": c, "BLOCK_K": 256, "BLOCK_N": n, "num_warps": w, "num_stages": st}, t)
+                             for t in (True, False) for c in (16, 32, 64) for n in (512, 1024) for w in (4, 8)
+                             for st in (1, 3)]
     for shape in shapes:
         t0 = time.perf_counter()
         c = SHAPES[shape]
@@ -373,6 +397,7 @@ def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=100.0):
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
         nbytes = 2 * (2 * I * K + N * I)
         ws = G.operand_copies((w_gu, w_d), nbytes)
+        ws_t = [(a, d.t().contiguous().t()) for a, d in ws]               # down stored [I, N]
         ref = mlp_row_ref(x.float(), w_gu.float(), w_d.float())
         two = gemv(gemv(x, w_gu, pdl=True), w_d, act=True, pdl=True)
         one = mlp_row(x, w_gu, w_d, pdl=True)
@@ -384,14 +409,19 @@ def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=100.0):
                                                                     pdl=True)), nbytes),
                "mlp_row_us": []}
         best = None
-        for cfg in cands:
+        row["down_t_identical"] = torch.equal(mlp_row_ref(x.float(), w_gu.float(), w_d.float()), ref)
+        for cfg, t in cands:
             if time.perf_counter() - t0 > budget_s and cfg: break
+            src = ws_t if t else ws
             try:
-                us = min(G.graph_bench(lambda i: (lambda: mlp_row(x, ws[i][0], ws[i][1], cfg, pdl=True)), nbytes))
+                us = min(G.graph_bench(lambda i: (lambda: mlp_row(x, src[i][0], src[i][1], cfg, pdl=True)), nbytes))
             except Exception as e:                                   # a config that does not compile or fit
-                row["mlp_row_us"].append({**cfg, "error": repr(e)[:200]}); continue
-            row["mlp_row_us"].append({**cfg, "us": us})
-            if best is None or us < best[0]: best = (us, cfg)
+                row["mlp_row_us"].append({**cfg, "down_t": t, "error": repr(e)[:200]}); continue
+            row["mlp_row_us"].append({**cfg, "down_t": t, "us": us})
+            if best is None or us < best[0]: best = (us, cfg, t)
+        row["chosen_down_t"] = best[2]
+        row["best_us_by_layout"] = {str(t): min((c["us"] for c in row["mlp_row_us"] if c.get("down_t") == t
+                                                 and "us" in c), default=None) for t in (False, True)}
         chosen = mlp_row_config(N, I, K, best[1])
         MLP_ROW_CONFIGS[(N, I)] = chosen
         row["chosen"], row["chosen_us"] = chosen, best[0]
@@ -401,9 +431,10 @@ def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=100.0):
         row["tried"] = len(row["mlp_row_us"])
         out["rows"].append(row)
         print("mlp", shape, f"two gemv {min(row['two_gemv_us']):.1f} us, mlp_row {best[0]:.1f} us", chosen,
+              "down_t", best[2], row["best_us_by_layout"],
               f"err {row['rel_err_chosen']:.1e} (two {row['rel_err_two_kernels']:.1e}), tried {row['tried']}",
               flush=True)
-        del ws; torch.cuda.empty_cache()
+        del ws, ws_t; torch.cuda.empty_cache()
     out["chosen"] = {f"{n}x{i}": c for (n, i), c in MLP_ROW_CONFIGS.items()}
 
 
@@ -572,7 +603,7 @@ def main():
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "row_mlp": ("row_mlp=False", {"row_mlp": False}),
+             "row_mlp": ("row_mlp=False", {"row_mlp": False}), "down_t": ("row_mlp down_t", {}),
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
@@ -589,6 +620,7 @@ def main():
              "rate1": lambda: rates(d05, res, "0.5B", [1], both),
              "rate256": lambda: rates(d05, res, "0.5B", [1, 8, 64, 256], both),
              "profile1": lambda: profile(d05, res),
+             "profileb1": lambda: profile(d05, res, batches=(1,), configs=both),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),

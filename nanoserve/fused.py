@@ -258,7 +258,8 @@ def gemv_ref(x, weight, bias=None, act=False):
 # %% ../nbs/06_fused.ipynb #31e79617
 @triton.jit
 def mlp_row_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, out_ptr, acc_ptr, counter_ptr, N, I, K, stride_gu, stride_d,
-                   CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                   CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOWN_T: tl.constexpr,
+                   PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     rows = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)           # this program's slice of the intermediate
     r_mask = rows < I
@@ -284,9 +285,15 @@ def mlp_row_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, out_ptr, acc_ptr, counter_p
     for n0 in range(0, N, BLOCK_N):                                  # the slice's share of every output
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        wd = tl.load(w_down_ptr + offs_n[:, None] * stride_d + rows[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                     other=0.0)                                      # [BLOCK_N, CHUNK]
-        tl.atomic_add(acc_ptr + offs_n, _sum_last(wd.to(tl.float32) * h[None, :], 1), mask=n_mask, sem="relaxed")
+        if DOWN_T:                                                   # down stored [I, N]: the slice is contiguous
+            wd = tl.load(w_down_ptr + rows[:, None] * stride_d + offs_n[None, :],
+                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)                     # [CHUNK, BLOCK_N]
+            part = _sum_last(wd.to(tl.float32) * h[:, None], 0)
+        else:                                                        # [N, I]: CHUNK values from every row
+            wd = tl.load(w_down_ptr + offs_n[:, None] * stride_d + rows[None, :],
+                         mask=n_mask[:, None] & r_mask[None, :], other=0.0)                     # [BLOCK_N, CHUNK]
+            part = _sum_last(wd.to(tl.float32) * h[None, :], 1)
+        tl.atomic_add(acc_ptr + offs_n, part, mask=n_mask, sem="relaxed")
     tl.debug_barrier()                                               # every thread's sums, before the counter
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:      # the last program writes out
         for n0 in range(0, N, BLOCK_N):
@@ -327,21 +334,23 @@ def mlp_row_config(N: int, I: int, K: int, config: dict | None = None) -> dict:
 
 def mlp_row(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, config: dict | None = None,
             pdl: bool = False) -> torch.Tensor:
-    "The MLP of one row: `x` [1, K] -> silu(x @ gate.T) * (x @ up.T) @ `w_down`.T [1, N], one kernel."
+    """The MLP of one row: `x` [1, K] -> silu(x @ gate.T) * (x @ up.T) @ `w_down`.T [1, N], one kernel. `w_down`
+    [N, I] may be stored either way round (contiguous along I, or a transposed view of an [I, N] tensor)."""
     from nanoserve.attention import split_counters
     I2, K = w_gate_up.shape
     N, I = w_down.shape
     if I2 != 2 * I: raise ValueError(f"mlp_row: gate_up has {I2} rows, expected 2 x {I} (down's inputs)")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != K:
         raise ValueError(f"mlp_row: expected x of shape (1, {K}), got {tuple(x.shape)}")
-    if x.stride(-1) != 1 or w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
-        raise ValueError("mlp_row: x and the weights must be contiguous along their last dimension")
+    down_t = w_down.stride(0) == 1 and w_down.stride(1) != 1          # a view of an [I, N] tensor
+    if x.stride(-1) != 1 or w_gate_up.stride(-1) != 1 or (w_down.stride(-1) != 1 and not down_t):
+        raise ValueError("mlp_row: x, gate_up and down must be contiguous along one dimension")
     cfg = mlp_row_config(N, I, K, config)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     mlp_row_kernel[(triton.cdiv(I, cfg["CHUNK"]),)](
         x, w_gate_up, w_down, out, row_accumulator(x.device, N), split_counters(x.device, 1), N, I, K,
-        w_gate_up.stride(0), w_down.stride(0), CHUNK=cfg["CHUNK"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
+        w_gate_up.stride(0), w_down.stride(1 if down_t else 0), CHUNK=cfg["CHUNK"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_N=cfg["BLOCK_N"], DOWN_T=down_t, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return out
 
 
