@@ -8,7 +8,9 @@ figures/data/.
 Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused kernels, async scheduling):
 1. profile: at batch 1 and 64 in steady decode, for each configuration (the defaults; `row_gemv=False`; in the
    first run, the decode kernel's split merge in a second kernel), one profiled window of 32 steps: each kernel name's count and
-   device microseconds per step, the sum of kernel time, the wall time per step, and the step ledger's host phases
+   device microseconds per step, its share of the step's chain (`marginal_us_by_name`: kernels in start order, each
+   credited with how far its end moves the latest end so far; under programmatic dependent launch spans overlap, and
+   these shares add up to the step), the sum of kernel time, the wall time per step, and the step ledger's host phases
    from a separate un-profiled window (the ledger's own events are left out of the kernel window); then a second
    window of 32 steps profiled with device activity only (`profile_run(host_ops=False)`): its busy share; and,
    with no profiler, in each of the two timed passes, the share of the window the steps' device spans cover
@@ -28,9 +30,6 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    INT4, with the defaults and the control, and the module-level controls "int8 gemv only" (no tensor-core GEMM
    at one row), "int4 no words" (the table from before the words path), "int4 no pairs" (the words path in fp32),
    "int4 table" and "int8 table" (the package's one-row tables, whatever `int4words` kept earlier in the run);
-9. mlp: the one-row MLP as one kernel (`mlp_row`) against the two `gemv` launches it replaces, swept over slices
-   and blocks; the best per shape goes into `nanoserve.fused.MLP_ROW_CONFIGS` for the parts after it. The control
-   `row_mlp` (`row_mlp=False`) runs the step with the two launches.
 7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
    programmatic dependent launch;
 8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM; int4words: the 7B INT4
@@ -95,19 +94,6 @@ def with_pairs(on: bool):
     WORDS_RULE["HALF2"] = on
 
 
-def with_down_t(on: bool):
-    "Every MLP's down weight re-stored [I, N] at load (a transposed view stands in for [N, I]), or as loaded."
-    import nanoserve.engine as E
-    import nanoserve.model as Mo
-    def transposed(*a, **k):
-        model = Mo.load_model(*a, **k)
-        for layer in model.layers:
-            w = layer.mlp.down_proj.weight
-            layer.mlp.down_proj.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
-        return model
-    E.load_model = transposed if on else Mo.load_model
-
-
 def with_int8(table: bool, gemv_only: bool):
     """INT8 at one row: the configs and `FEW_ROWS_GEMM` that `int4words` kept (now) or the package's (the "int8
     table" control); with `gemv_only` no layer takes the tensor-core GEMM (the "int8 gemv only" control)."""
@@ -125,7 +111,6 @@ def patched(cname: str):
     with_words(not cname.endswith("no words"))
     with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
-    with_down_t(cname.endswith("down_t"))
 
 
 def rates(model_dir, res, shape, batches, configs):
@@ -375,69 +360,6 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
             del ws; torch.cuda.empty_cache()
 
 
-def mlp_sweep(res, shapes=("0.5B", "7B"), budget_s=80.0):
-    """The one-row MLP: the two `gemv` launches it replaces (gate/up, then down with the activation; tuned configs)
-    against `mlp_row` with its rule and candidate slices and blocks, back to back in CUDA graphs with programmatic
-    dependent launch over weight copies that defeat L2; outputs against each other and an fp32 reference. The best
-    config per shape goes into `nanoserve.fused.MLP_ROW_CONFIGS` for the parts after it, and is recorded."""
-    from nanoserve.bench import SHAPES
-    from nanoserve.fused import MLP_ROW_CONFIGS, gemv, mlp_row, mlp_row_config, mlp_row_ref
-    out = res["mlp"] = {"timer": "graph_bench (us per call), pdl", "rows": [], "chosen": {}}
-    cands = [({}, False)] + [({"CHUNK": c, "BLOCK_K": 256, "BLOCK_N": n, "num_warps": w, "num_stages": st}, t)
-                             for t in (True, False) for c in (16, 32, 64) for n in (512, 1024) for w in (4, 8)
-                             for st in (1, 3)]
-    for shape in shapes:
-        t0 = time.perf_counter()
-        c = SHAPES[shape]
-        K, I = c["hidden_size"], c["intermediate_size"]
-        N = K
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w_gu = torch.randn(2 * I, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-        w_d = torch.randn(N, I, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
-        nbytes = 2 * (2 * I * K + N * I)
-        ws = G.operand_copies((w_gu, w_d), nbytes)
-        ws_t = [(a, d.t().contiguous().t()) for a, d in ws]               # down stored [I, N]
-        ref = mlp_row_ref(x.float(), w_gu.float(), w_d.float())
-        two = gemv(gemv(x, w_gu, pdl=True), w_d, act=True, pdl=True)
-        one = mlp_row(x, w_gu, w_d, pdl=True)
-        rel = lambda a: ((a.float() - ref).abs().max() / ref.abs().max()).item()
-        row = {"shape": shape, "N": N, "I": I, "K": K, "weight_bytes": nbytes, "rel_err_two_kernels": rel(two),
-               "rel_err_mlp_row": rel(one), "max_abs_diff_vs_two": (one.float() - two.float()).abs().max().item(),
-               "repeat_identical": all(torch.equal(one, mlp_row(x, w_gu, w_d, pdl=True)) for _ in range(5)),
-               "two_gemv_us": G.graph_bench(lambda i: (lambda: gemv(gemv(x, ws[i][0], pdl=True), ws[i][1], act=True,
-                                                                    pdl=True)), nbytes),
-               "mlp_row_us": []}
-        best = None
-        row["down_t_identical"] = torch.equal(mlp_row_ref(x.float(), w_gu.float(), w_d.float()), ref)
-        for cfg, t in cands:
-            if time.perf_counter() - t0 > budget_s and cfg: break
-            src = ws_t if t else ws
-            try:
-                us = min(G.graph_bench(lambda i: (lambda: mlp_row(x, src[i][0], src[i][1], cfg, pdl=True)), nbytes))
-            except Exception as e:                                   # a config that does not compile or fit
-                row["mlp_row_us"].append({**cfg, "down_t": t, "error": repr(e)[:200]}); continue
-            row["mlp_row_us"].append({**cfg, "down_t": t, "us": us})
-            if best is None or us < best[0]: best = (us, cfg, t)
-        row["chosen_down_t"] = best[2]
-        row["best_us_by_layout"] = {str(t): min((c["us"] for c in row["mlp_row_us"] if c.get("down_t") == t
-                                                 and "us" in c), default=None) for t in (False, True)}
-        chosen = mlp_row_config(N, I, K, best[1])
-        MLP_ROW_CONFIGS[(N, I)] = chosen
-        row["chosen"], row["chosen_us"] = chosen, best[0]
-        row["rel_err_chosen"] = rel(mlp_row(x, w_gu, w_d, pdl=True))
-        row["speedup_vs_two"] = min(row["two_gemv_us"]) / best[0]
-        row["GBps"] = nbytes / (best[0] * 1e-6) / 1e9
-        row["tried"] = len(row["mlp_row_us"])
-        out["rows"].append(row)
-        print("mlp", shape, f"two gemv {min(row['two_gemv_us']):.1f} us, mlp_row {best[0]:.1f} us", chosen,
-              "down_t", best[2], row["best_us_by_layout"],
-              f"err {row['rel_err_chosen']:.1e} (two {row['rel_err_two_kernels']:.1e}), tried {row['tried']}",
-              flush=True)
-        del ws, ws_t; torch.cuda.empty_cache()
-    out["chosen"] = {f"{n}x{i}": c for (n, i), c in MLP_ROW_CONFIGS.items()}
-
-
 def quant_one_row(res, budget_s=60.0):
     "The 7B projections at one row, quantized: the FMA GEMV (tuned) against the tensor-core GEMM path (16-row tiles)."
     from nanoserve.quant import quant_gemm, quant_gemv
@@ -592,7 +514,7 @@ def main():
     ap.add_argument("--shape", default="7B", help="int4words: the model shape whose projections are swept")
     ap.add_argument("--overrides", default=None, help="an earlier run's JSON: take what its int4words kept")
     ap.add_argument("--controls", default="row_gemv",
-                    help="comma list of controls run beside the defaults: row_gemv, pdl, row_mlp (LLM switches set False), "
+                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
                          "splits4/splits8 (the decode kernel's splits fixed)")
     args = ap.parse_args()
     res = {"meta": run_meta(),
@@ -603,7 +525,6 @@ def main():
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "row_mlp": ("row_mlp=False", {"row_mlp": False}), "down_t": ("row_mlp down_t", {}),
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
@@ -613,7 +534,7 @@ def main():
         ("int8 lm_head", {"quantization": "int8", "quantize_lm_head": True}),   # the LM head quantized too
         ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True}))
     quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
-    parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res), "mlp": lambda: mlp_sweep(res),
+    parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),

@@ -515,7 +515,7 @@ class LLM:
                  enforce_eager: bool = False, mixed_step_graphs: bool = True, async_scheduling: bool | None = None,
                  show_progress: bool = False, tensor_parallel_size: int = 1, quantization: str | None = None,
                  quant_group_size: int = 128, quantize_lm_head: bool = False, row_gemv: bool | None = None,
-                 pdl: bool | None = None, row_mlp: bool | None = None):
+                 pdl: bool | None = None):
         from nanoserve.tokenizer import default_model, load_tokenizer
         if attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
@@ -539,7 +539,6 @@ class LLM:
         self.attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.row_gemv = self.fused_kernels if row_gemv is None else bool(row_gemv)   # one-row steps: `gemv`, not cuBLAS
-        self.row_mlp = self.row_gemv if row_mlp is None else bool(row_mlp)   # one-row MLP: one kernel (`mlp_row`)
         from nanoserve.attention import pdl_supported   # programmatic dependent launch: Hopper and later
         supported = pdl_supported(self.device)
         if pdl and not supported:
@@ -557,7 +556,7 @@ class LLM:
                 self.parallel = TensorParallel(self.model_dir, tensor_parallel_size, self.device, dict(
                     dtype=str(load_dtype).removeprefix("torch.") if load_dtype else None,
                     attention_backend=self.attention_backend, fused_kernels=self.fused_kernels, row_gemv=self.row_gemv,
-                    pdl=self.pdl, row_mlp=self.row_mlp,
+                    pdl=self.pdl,
                     block_size=block_size,
                     utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
@@ -571,7 +570,7 @@ class LLM:
                 from nanoserve.quant import quantize_model
                 self.quant_report = quantize_model(self.model, quantization, quant_group_size, quantize_lm_head)
             self.model.set_attention_backend(self.attention_backend)
-            self.model.set_fused_kernels(self.fused_kernels, self.row_gemv, self.pdl, self.row_mlp)
+            self.model.set_fused_kernels(self.fused_kernels, self.row_gemv, self.pdl)
             self.tokenizer = load_tokenizer(self.model_dir)
             self.tokenizer.model_max_length = 1 << 62      # we check lengths against the context ourselves
             # detokenize with the Rust tokenizer directly when that gives the same text (4x less time per token)

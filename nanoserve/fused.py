@@ -18,9 +18,8 @@ import triton.language as tl
 from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_wait
 
 # %% auto #0
-__all__ = ['GEMV_CONFIGS', 'MLP_ROW_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel',
-           'silu_mul', 'silu_mul_ref', 'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref',
-           'mlp_row_kernel', 'row_accumulator', 'mlp_row_config', 'mlp_row', 'mlp_row_ref']
+__all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul', 'silu_mul_ref',
+           'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref']
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
@@ -254,106 +253,3 @@ def gemv_ref(x, weight, bias=None, act=False):
     "The torch path: `silu_mul` (if `act`), then `F.linear`."
     if act: x = silu_mul_ref(x)
     return torch.nn.functional.linear(x, weight, bias)
-
-# %% ../nbs/06_fused.ipynb #31e79617
-@triton.jit
-def mlp_row_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, out_ptr, acc_ptr, counter_ptr, N, I, K, stride_gu, stride_d,
-                   CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOWN_T: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    pdl_launch_next(PDL)
-    rows = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)           # this program's slice of the intermediate
-    r_mask = rows < I
-    k = tl.arange(0, BLOCK_K)
-    m = r_mask[:, None] & (k < K)[None, :]
-    wg = tl.load(w_gate_up_ptr + rows[:, None] * stride_gu + k[None, :], mask=m, other=0.0)          # [CHUNK, BLOCK_K]
-    wu = tl.load(w_gate_up_ptr + (rows + I)[:, None] * stride_gu + k[None, :], mask=m, other=0.0)    # [CHUNK, BLOCK_K]
-    pdl_wait(PDL)                                   # the first weight tiles are in flight; x is not ready before
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]                           # [1, BLOCK_K]
-    g = wg.to(tl.float32) * x
-    u = wu.to(tl.float32) * x
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + k
-        m = r_mask[:, None] & (kk < K)[None, :]
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-        g += tl.load(w_gate_up_ptr + rows[:, None] * stride_gu + kk[None, :], mask=m, other=0.0).to(tl.float32) * x
-        u += tl.load(w_gate_up_ptr + (rows + I)[:, None] * stride_gu + kk[None, :], mask=m, other=0.0).to(tl.float32) * x
-    dt = out_ptr.dtype.element_ty
-    gate = _sum_last(g, 1).to(dt).to(tl.float32)                    # [CHUNK], rounded as gate_up's output is
-    up = _sum_last(u, 1).to(dt).to(tl.float32)
-    h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)        # then as `silu_mul` rounds
-    h = tl.where(r_mask, (h * up).to(dt).to(tl.float32), 0.0)
-    for n0 in range(0, N, BLOCK_N):                                  # the slice's share of every output
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        if DOWN_T:                                                   # down stored [I, N]: the slice is contiguous
-            wd = tl.load(w_down_ptr + rows[:, None] * stride_d + offs_n[None, :],
-                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)                     # [CHUNK, BLOCK_N]
-            part = _sum_last(wd.to(tl.float32) * h[:, None], 0)
-        else:                                                        # [N, I]: CHUNK values from every row
-            wd = tl.load(w_down_ptr + offs_n[:, None] * stride_d + rows[None, :],
-                         mask=n_mask[:, None] & r_mask[None, :], other=0.0)                     # [BLOCK_N, CHUNK]
-            part = _sum_last(wd.to(tl.float32) * h[None, :], 1)
-        tl.atomic_add(acc_ptr + offs_n, part, mask=n_mask, sem="relaxed")
-    tl.debug_barrier()                                               # every thread's sums, before the counter
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:      # the last program writes out
-        for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < N
-            s = tl.load(acc_ptr + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_n, s.to(dt), mask=n_mask)
-            tl.store(acc_ptr + offs_n, tl.zeros_like(s), mask=n_mask)         # zero again for the next launch
-        tl.atomic_xchg(counter_ptr, 0)
-
-
-_ROW_ACCUMULATORS: dict = {}
-
-
-def row_accumulator(device: torch.device, n: int) -> torch.Tensor:
-    """The device's zeroed fp32 accumulator of `mlp_row` (at least `n`); every launch leaves it zero. Made
-    outside CUDA-graph capture, like the split counters."""
-    a = _ROW_ACCUMULATORS.get(device)
-    if a is None or a.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mlp_row: the accumulator must be made before CUDA-graph capture (run the step once first)")
-        a = _ROW_ACCUMULATORS[device] = torch.zeros(max(n, 8192), dtype=torch.float32, device=device)
-    return a
-
-
-# The best configuration per (hidden, intermediate) of the Qwen2.5 shapes, from an H200 sweep; others use the rule.
-MLP_ROW_CONFIGS: dict[tuple[int, int], dict] = {}
-
-
-def mlp_row_config(N: int, I: int, K: int, config: dict | None = None) -> dict:
-    "Slice, blocks and warps of `mlp_row`: the rule, then `MLP_ROW_CONFIGS`, then `config`."
-    cfg = {"CHUNK": 16, "BLOCK_K": min(1024, triton.next_power_of_2(K)), "BLOCK_N": 256, "num_warps": 4,
-           "num_stages": 1}
-    cfg.update(MLP_ROW_CONFIGS.get((N, I), {}))
-    cfg.update(config or {})
-    return cfg
-
-
-def mlp_row(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, config: dict | None = None,
-            pdl: bool = False) -> torch.Tensor:
-    """The MLP of one row: `x` [1, K] -> silu(x @ gate.T) * (x @ up.T) @ `w_down`.T [1, N], one kernel. `w_down`
-    [N, I] may be stored either way round (contiguous along I, or a transposed view of an [I, N] tensor)."""
-    from nanoserve.attention import split_counters
-    I2, K = w_gate_up.shape
-    N, I = w_down.shape
-    if I2 != 2 * I: raise ValueError(f"mlp_row: gate_up has {I2} rows, expected 2 x {I} (down's inputs)")
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != K:
-        raise ValueError(f"mlp_row: expected x of shape (1, {K}), got {tuple(x.shape)}")
-    down_t = w_down.stride(0) == 1 and w_down.stride(1) != 1          # a view of an [I, N] tensor
-    if x.stride(-1) != 1 or w_gate_up.stride(-1) != 1 or (w_down.stride(-1) != 1 and not down_t):
-        raise ValueError("mlp_row: x, gate_up and down must be contiguous along one dimension")
-    cfg = mlp_row_config(N, I, K, config)
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    mlp_row_kernel[(triton.cdiv(I, cfg["CHUNK"]),)](
-        x, w_gate_up, w_down, out, row_accumulator(x.device, N), split_counters(x.device, 1), N, I, K,
-        w_gate_up.stride(0), w_down.stride(1 if down_t else 0), CHUNK=cfg["CHUNK"], BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_N=cfg["BLOCK_N"], DOWN_T=down_t, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
-    return out
-
-
-def mlp_row_ref(x, w_gate_up, w_down):
-    "The torch path: gate_up, `silu_mul`, down."
-    return torch.nn.functional.linear(silu_mul_ref(torch.nn.functional.linear(x, w_gate_up)), w_down)

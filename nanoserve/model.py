@@ -267,15 +267,11 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused = False              # True: SiLU(gate) x up in one Triton kernel
         self.row_gemv = False           # True: one-row steps use `gemv`, the activation fused into the down projection
-        self.row_mlp = False            # True: one-row steps run the whole MLP as one kernel (`mlp_row`)
         self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x):
         if self.fused:
-            from nanoserve.fused import gemv, mlp_row, silu_mul
-            if (self.row_mlp and _gemv_fits(self.gate_up_proj, x) and _gemv_fits(self.down_proj, x)
-                    and self.gate_up_proj.bias is None and self.down_proj.bias is None):
-                return mlp_row(x, self.gate_up_proj.weight, self.down_proj.weight, pdl=self.pdl)
+            from nanoserve.fused import gemv, silu_mul
             gate_up = linear(self.gate_up_proj, x, self.row_gemv, self.pdl)
             if self.row_gemv and _gemv_fits(self.down_proj, gate_up):
                 return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=self.pdl)
@@ -321,18 +317,14 @@ class Qwen2ForCausalLM(nn.Module):
             self.attn_fn = paged_attention
         else: raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
 
-    def set_fused_kernels(self, on: bool, row_gemv: bool | None = None, pdl: bool = False,
-                          row_mlp: bool | None = None) -> None:
+    def set_fused_kernels(self, on: bool, row_gemv: bool | None = None, pdl: bool = False) -> None:
         """Run every RMSNorm (with its residual add) and SiLU x mul as single Triton kernels, and (`row_gemv`, by
-        default with them) one-row projections on a GPU as the fused-kernels chapter's `gemv`, and (`row_mlp`, by
-        default with `row_gemv`) a one-row MLP as its `mlp_row`. `pdl`: every module with a `pdl` switch launches
-        its Triton kernels with programmatic dependent launch (same chapter)."""
+        default with them) one-row projections on a GPU as the fused-kernels chapter's `gemv`. `pdl`: every module
+        with a `pdl` switch launches its Triton kernels with programmatic dependent launch (same chapter)."""
         row_gemv = on if row_gemv is None else row_gemv
-        row_mlp = row_gemv if row_mlp is None else row_mlp
         for m in self.modules():
             if isinstance(m, (RMSNorm, Qwen2MLP)): m.fused = bool(on)
             if isinstance(m, (Qwen2Attention, Qwen2MLP)): m.row_gemv = bool(row_gemv)
-            if isinstance(m, Qwen2MLP): m.row_mlp = bool(row_mlp)
             if hasattr(m, "pdl"): m.pdl = bool(pdl)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):

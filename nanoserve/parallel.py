@@ -178,7 +178,7 @@ def _worker(spec: dict) -> None:
         dtype = getattr(torch, spec["dtype"]) if spec["dtype"] else None
         model = load_shard(spec["model_dir"], dtype, device, rank, world_size)
         model.set_attention_backend(spec["attention_backend"])
-        model.set_fused_kernels(spec["fused_kernels"], spec.get("row_gemv"), spec.get("pdl", False), spec.get("row_mlp"))
+        model.set_fused_kernels(spec["fused_kernels"], spec.get("row_gemv"), spec.get("pdl", False))
         dtype = model.norm.weight.dtype
         conn.send(("loaded", None))
         cfg, bs = model.config, spec["block_size"]
