@@ -111,13 +111,16 @@ def patched(cname: str):
     with_words(not cname.endswith("no words"))
     with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
+    import nanoserve.attention as A, nanoserve.engine as E
+    A.ROPE_IN_DECODE = "rope_cache" not in cname          # the control: `rope_cache` before the decode kernel
+    E.FAST_ARGMAX = "torch argmax" not in cname           # the control: torch's argmax in the sampler
 
 
-def rates(model_dir, res, shape, batches, configs):
-    "`graphs_h200.step_rates` per configuration, with its module-level controls patched in."
+def rates(model_dir, res, shape, batches, configs, key="rate"):
+    "`graphs_h200.step_rates` per configuration, with its module-level controls patched in; rows under `key`."
     for c in configs:
         patched(c[0])
-        G.step_rates(model_dir, res, shape, batches, [c], "rate")
+        G.step_rates(model_dir, res, shape, batches, [c], key)
     patched("defaults")
 
 
@@ -251,7 +254,45 @@ def parity(model_dir, res):
                          "max_abs_err": (o.float() - ref).abs().max().item()})
     out["decode_kernel"] = rows
     print("decode kernel worst", max(r["max_abs_err"] for r in rows), flush=True)
+    out["rope_in_decode"] = rope_in_decode_parity()
+    from nanoserve.fused import argmax_rows
+    out["argmax_rows"] = []
+    for B in (1, 8, 64, 256):
+        x = torch.randn(B, 151936, device="cuda")
+        x[0, 7] = x[0, 150000] = x[0].max() + 1                   # a tie: the first index wins
+        out["argmax_rows"].append({"B": B, "identical": all(torch.equal(argmax_rows(x), x.argmax(-1)) for _ in range(3))})
+    print("argmax_rows", out["argmax_rows"], flush=True)
     res["parity"] = out
+
+
+def rope_in_decode_parity():
+    "The decode kernel with RoPE and the cache write inside against `rope_cache` + the decode kernel, bf16."
+    from nanoserve.attention import decode_attention, rope_cache
+    rows = []
+    torch.manual_seed(1)
+    H, KVH, D, bs = 14, 2, 64, 16
+    for B, ctx, splits in ((1, 17, 1), (1, 1000, 16), (3, 700, 8), (64, 129, 4), (256, 1024, 1)):
+        nblk = (ctx + bs - 1) // bs
+        kc = torch.randn(B * nblk + 4, bs, KVH, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(B * nblk + 4, device="cuda")[:B * nblk].view(B, nblk)   # [B, nblk]
+        lens = torch.randint(1, ctx + 1, (B,), device="cuda")
+        last = lens - 1
+        slots = table[torch.arange(B, device="cuda"), last // bs] * bs + last % bs
+        qkv = torch.randn(B, (H + 2 * KVH) * D, device="cuda", dtype=torch.bfloat16)
+        ang = torch.rand(B, D // 2, device="cuda") * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        q = rope_cache(qkv, cos, sin, slots, k1, v1, H, KVH)
+        a = decode_attention(q, k1, v1, table, lens, D ** -0.5, ctx, num_splits=splits)
+        o = torch.empty_like(a)
+        b = decode_attention(None, k2, v2, table, lens, D ** -0.5, ctx, num_splits=splits, out=o,
+                             rope=(qkv, cos, sin, slots))
+        rows.append({"B": B, "ctx": ctx, "splits": splits, "out_identical": torch.equal(a, b),
+                     "max_abs_diff": (a.float() - b.float()).abs().max().item(),
+                     "caches_identical": torch.equal(k1, k2) and torch.equal(v1, v2)})
+    print("rope_in_decode", rows, flush=True)
+    return rows
 
 
 def layer_shapes(shape):
@@ -288,11 +329,12 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
     parts run with it) and is recorded. Also each shape's error against an fp32 reference."""
     import torch.nn.functional as F
     from nanoserve.fused import GEMV_CONFIGS, gemv, gemv_config, silu_mul
-    GEMV_CONFIGS.clear()
+    for shape in shapes:                               # the swept shapes start from the rule; others keep the table
+        for _, N, K, _, _ in layer_shapes(shape): GEMV_CONFIGS.pop((N, K), None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = res["gemv"] = {"timer": "graph_bench (us per call)", "rows": [], "chosen": {}, "pdl": pdl}
-    cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (8, 16, 32) for k in (128, 256, 512)
-                    for w in (4, 8)]
+    cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for k in (1024, 512, 256, 128) for n in (8, 16, 32)
+                    for w in (4, 8)]           # 1024 first: a whole 896-wide row in one tile, loaded before the wait
     t0 = time.perf_counter()
     layers = []
     for shape in shapes:
@@ -525,7 +567,9 @@ def main():
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "splits4": ("splits 4", {}), "splits8": ("splits 8", {})}
+             "splits4": ("splits 4", {}), "splits8": ("splits 8", {}),
+             "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
+             "both": ("rope_cache, torch argmax", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
@@ -535,10 +579,13 @@ def main():
         ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True}))
     quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
+             "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),
              "rate1": lambda: rates(d05, res, "0.5B", [1], both),
+             "rate1b": lambda: rates(d05, res, "0.5B", [1, 8, 64], both, key="rate_after"),   # after a sweep
+             "rate7bb": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both, key="rate_after"),
              "rate256": lambda: rates(d05, res, "0.5B", [1, 8, 64, 256], both),
              "profile1": lambda: profile(d05, res),
              "profileb1": lambda: profile(d05, res, batches=(1,), configs=both),

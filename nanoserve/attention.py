@@ -73,10 +73,11 @@ def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 # %% auto #0
-__all__ = ['INTERPRET', 'pdl_launch_next', 'pdl_wait', 'pdl_supported', 'launch_options', 'rope_cache_kernel', 'rope_cache',
-           'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel', 'num_sms', 'choose_num_splits',
-           'split_counters', 'decode_attention', 'decode_attention_ref', 'prefill_attention_kernel', 'prefill_block_m',
-           'prefill_attention', 'prefill_tile_map', 'prefill_attention_ref', 'paged_attention']
+__all__ = ['INTERPRET', 'ROPE_IN_DECODE', 'pdl_launch_next', 'pdl_wait', 'pdl_supported', 'launch_options', 'rope_cache_kernel',
+           'rope_cache', 'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel', 'num_sms',
+           'choose_num_splits', 'split_counters', 'decode_attention', 'decode_attention_ref',
+           'prefill_attention_kernel', 'prefill_block_m', 'prefill_attention', 'prefill_tile_map',
+           'prefill_attention_ref', 'paged_attention']
 
 # %% ../nbs/03_attention.ipynb #06ceca81
 @triton.jit
@@ -153,10 +154,11 @@ def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                             part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+                            qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_qkv, stride_cos,
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            ROPE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
@@ -172,7 +174,32 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     n = tl.arange(0, TILE_N)
     heads = kvh * G + g
     gm = g[:, None] < G
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
+    if ROPE:        # q, this step's key and value straight from the QKV projection, rotated here (`rope_cache`'s work)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        row = qkv_ptr + seq * stride_qkv
+        first = (d < HALF)[None, :]
+        partner = (d + HALF) % HEAD_DIM                   # the other half of each rotated pair
+        cos = tl.load(cos_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]                    # [1, D]
+        sin = tl.load(sin_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]
+        qa = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0.0).to(tl.float32)
+        qb = tl.load(row + heads[:, None] * HEAD_DIM + partner[None, :], mask=gm, other=0.0).to(tl.float32)
+        q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(qkv_ptr.dtype.element_ty)  # [BLOCK_G, D]
+        k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
+        ka = tl.load(k_row + d).to(tl.float32)[None, :]
+        kb = tl.load(k_row + partner).to(tl.float32)[None, :]
+        k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin).to(k_cache_ptr.dtype.element_ty)  # [1, D]
+        v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(v_cache_ptr.dtype.element_ty)[None, :]
+        last = ctx - 1                                    # the new token's position; its split writes it
+        slot = tl.load(slot_mapping_ptr + seq)
+        if (slot >= 0) & (last // TILE_N >= t_begin) & (last // TILE_N < t_end):
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
+            tl.store(k_cache_ptr + dst, k_new)
+            tl.store(v_cache_ptr + dst, v_new)
+        if UPCAST:
+            k_new = k_new.to(tl.float32)
+            v_new = v_new.to(tl.float32)
+    else:
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -187,6 +214,10 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        if ROPE:                                          # the new token from registers, not from its cache slot
+            is_new = (pos == ctx - 1)[:, None]
+            k = tl.where(is_new, k_new, k)
+            v = tl.where(is_new, v_new, v)
         s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(s))
@@ -271,30 +302,41 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
-                     num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False):
+                     num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
+                     rope: tuple | None = None):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
-    by the last split of each (sequence, KV head), or by `decode_reduce_kernel` if not `merge_in_kernel`."""
-    B, H, D = q.shape
+    by the last split of each (sequence, KV head), or by `decode_reduce_kernel` if not `merge_in_kernel`.
+    `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
+    `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
+    writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context)."""
+    B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
-    out = torch.empty_like(q) if out is None else out
+    like = q if q is not None else rope[0]
+    out = torch.empty(B, H, D, dtype=like.dtype, device=like.device) if out is None else out
     if B == 0: return out
     tile_n = _tile_n(block_size, D)
-    if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile_n, num_sms(q.device))
+    if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile_n, num_sms(out.device))
     merge = num_splits > 1 and merge_in_kernel
     if num_splits > 1:
-        part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=out.device)
     else:
         part_out = part_lse = out
-    counters = split_counters(q.device, B * KVH) if merge else out
+    counters = split_counters(out.device, B * KVH) if merge else out
+    if rope is not None:
+        qkv, cos, sin, slots = rope
+        assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and qkv.shape[-1] == (H + 2 * KVH) * D
+        q, rope_args = qkv, (qkv, cos, sin, slots, qkv.stride(0), cos.stride(0))
+    else:
+        rope_args = (q, q, q, q, 0, 0)
     decode_attention_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1) if rope is None else D, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), *rope_args,
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, PDL=pdl, num_warps=4,
-        **launch_options(pdl))
+        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,
+        num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge:
         decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
                                      NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=num_splits)
@@ -414,13 +456,24 @@ def prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q_lens, start_po
     return out
 
 # %% ../nbs/03_attention.ipynb #8ca92d60
+# A decode-only step rotates and writes its keys inside the decode kernel (one launch a layer, not two); False:
+# `rope_cache` first, as a mixed step does (the control of the H200 scripts)
+ROPE_IN_DECODE = True
+
+
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
-                    pdl: bool = False):
+                    pdl: bool = False, rope_in_decode: bool | None = None):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
-    kernels use programmatic dependent launch (the fused-kernels chapter)."""
+    kernels use programmatic dependent launch (the fused-kernels chapter). A decode-only step (`rope_in_decode`,
+    by default `ROPE_IN_DECODE`) is one launch: the decode kernel does `rope_cache`'s work itself."""
+    nd = meta.num_decode_tokens
+    if nd and nd == qkv.shape[0] and (ROPE_IN_DECODE if rope_in_decode is None else rope_in_decode):
+        out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
+        return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,
+                                rope=(qkv, cos, sin, meta.slot_mapping))
     q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl)
     out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                          meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out[:nd], pdl=pdl)

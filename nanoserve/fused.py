@@ -19,7 +19,8 @@ from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_
 
 # %% auto #0
 __all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul', 'silu_mul_ref',
-           'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref']
+           'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref', 'argmax_rows_kernel',
+           'argmax_rows']
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
@@ -253,3 +254,59 @@ def gemv_ref(x, weight, bias=None, act=False):
     "The torch path: `silu_mul` (if `act`), then `F.linear`."
     if act: x = silu_mul_ref(x)
     return torch.nn.functional.linear(x, weight, bias)
+
+# %% ../nbs/06_fused.ipynb #24c0d4ed
+@triton.jit
+def argmax_rows_kernel(x_ptr, part_val_ptr, part_idx_ptr, out_ptr, counter_ptr, V, stride_x, per_part, num_parts,
+                       BLOCK: tl.constexpr, BLOCK_PARTS: tl.constexpr):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    BIG: tl.constexpr = 2147483647
+    offs = tl.arange(0, BLOCK)
+    begin = part * per_part
+    end = tl.minimum(begin + per_part, V)
+    idx = begin + offs
+    best_v = tl.load(x_ptr + row * stride_x + idx, mask=idx < end, other=float("-inf")).to(tl.float32)   # [BLOCK]
+    best_i = tl.where(idx < end, idx, BIG)
+    for start in range(begin + BLOCK, end, BLOCK):
+        idx = start + offs
+        v = tl.load(x_ptr + row * stride_x + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        better = v > best_v                                    # strictly: a lane keeps its first index on a tie
+        best_v = tl.where(better, v, best_v)
+        best_i = tl.where(better, idx, best_i)
+    m = tl.max(best_v, 0)
+    i = tl.min(tl.where(best_v == m, best_i, BIG), 0)          # the first index of the maximum
+    if BLOCK_PARTS == 1:
+        tl.store(out_ptr + row, i.to(tl.int64))
+    else:
+        tl.store(part_val_ptr + row * BLOCK_PARTS + part, m)
+        tl.store(part_idx_ptr + row * BLOCK_PARTS + part, i)
+        tl.debug_barrier()
+        c = counter_ptr + row
+        if tl.atomic_add(c, 1, sem="acq_rel") == num_parts - 1:             # the row's last part merges
+            p = tl.arange(0, BLOCK_PARTS)
+            pv = tl.load(part_val_ptr + row * BLOCK_PARTS + p, mask=p < num_parts, other=float("-inf"),
+                         cache_modifier=".cg")
+            pi = tl.load(part_idx_ptr + row * BLOCK_PARTS + p, mask=p < num_parts, other=BIG, cache_modifier=".cg")
+            pm = tl.max(pv, 0)
+            tl.store(out_ptr + row, tl.min(tl.where(pv == pm, pi, BIG), 0).to(tl.int64))
+            tl.atomic_xchg(c, 0)                                            # zero again for the next launch
+
+
+def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    "The index of each row's largest value (the first, on ties): `x` [B, V] -> [B] int64, like `x.argmax(-1)`."
+    from nanoserve.attention import num_sms, split_counters
+    if x.dim() != 2 or x.stride(-1) != 1: raise ValueError(f"argmax_rows: expected a [B, V] tensor contiguous in V")
+    B, V = x.shape
+    out = torch.empty(B, dtype=torch.int64, device=x.device)
+    if B == 0: return out
+    if V == 0: raise ValueError("argmax_rows: a row of no values has no argmax")
+    parts = max(1, min(triton.cdiv(V, block), triton.cdiv(4 * num_sms(x.device), B)))
+    per = triton.cdiv(triton.cdiv(V, parts), block) * block                # whole tiles per part
+    parts = triton.cdiv(V, per)
+    bp = triton.next_power_of_2(parts) if parts > 1 else 1
+    part_val = torch.empty(B, bp, dtype=torch.float32, device=x.device)   # [B, parts]
+    part_idx = torch.empty(B, bp, dtype=torch.int32, device=x.device)
+    argmax_rows_kernel[(B, parts)](x, part_val, part_idx, out, split_counters(x.device, B), V, x.stride(0), per, parts,
+                                   BLOCK=block, BLOCK_PARTS=bp, num_warps=4)
+    return out
