@@ -350,10 +350,10 @@ class ModelRunner:
         smeta = SamplingMetadata(dev_f[:n], dev_f[n:], dev_i[k:k + n], dev_i[k + n:k + 2 * n], dev_i[k + 2 * n:k + 3 * n],
                                  all_greedy=x.all_greedy, any_filter=x.any_filter)
         feed = None
-        if f:                                    # (rows, tokens): the previous step's samples, never seen by the host
+        if f:                      # (rows, samples, which): the previous step's samples, never seen by the host
             if self._last_sampled is None: raise RuntimeError("a step feeds on tokens no step sampled")
             base = k + 3 * n
-            feed = (dev_i[base:base + f], self._last_sampled.index_select(0, dev_i[base + f:base + 2 * f]))
+            feed = (dev_i[base:base + f], self._last_sampled, dev_i[base + f:base + 2 * f])
         cuda = self.device.type == "cuda"
         events = start = None
         if (ledger_row is not None or self.step_spans is not None) and cuda:   # the step's device span
@@ -370,7 +370,9 @@ class ModelRunner:
         else:
             if start is not None: start.record()
             input_ids, positions, meta, sample_rows = self._eager_inputs(x, dev_i)
-            if feed is not None: input_ids.index_copy_(0, *feed)
+            if feed is not None:
+                from nanoserve.graphs import apply_feed
+                apply_feed(input_ids, feed)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)      # [T, hidden]
             tokens = sample(self.model.compute_logits(hidden[sample_rows]), smeta) if n else None  # [S]
         if tokens is not None: self._last_sampled = tokens

@@ -20,7 +20,7 @@ from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_
 # %% auto #0
 __all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul', 'silu_mul_ref',
            'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref', 'argmax_rows_kernel',
-           'argmax_rows']
+           'argmax_rows', 'copy_rows_kernel', 'copy_rows']
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
@@ -194,14 +194,14 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
                  tl.num_programs(1), HAS_BIAS, SPLIT)
 
 
-# The best configuration per layer shape of the Qwen2.5 0.5B and 7B models at one row, from the H200 sweep of
-# `kernels/diet_h200.py` under programmatic dependent launch (git 6fc8a12, figures/data/diet_pdl_tuned_h200.json,
-# "gemv"); any other shape uses the rule.
+# The best configuration per layer shape of the Qwen2.5 0.5B and 7B models at one row, from the H200 sweeps of
+# `kernels/diet_h200.py` under programmatic dependent launch (7B: git 6fc8a12, figures/data/diet_pdl_tuned_h200.json;
+# 0.5B: git a3be06c, diet_rope_h200.json, with 1024-wide K tiles tried; "gemv"); any other shape uses the rule.
 GEMV_CONFIGS: dict[tuple[int, int], dict] = {     # (N, K) -> config over the rule
-    (1152, 896): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3, "SPLIT_K": 1},
-    (896, 896): {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
+    (1152, 896): {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
+    (896, 896): {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
     (9728, 896): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8, "num_stages": 3, "SPLIT_K": 1},
-    (896, 4864): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 5},
+    (896, 4864): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3, "SPLIT_K": 5},
     (4608, 3584): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3, "SPLIT_K": 1},
     (3584, 3584): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
     (37888, 3584): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
@@ -310,3 +310,20 @@ def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     argmax_rows_kernel[(B, parts)](x, part_val, part_idx, out, split_counters(x.device, B), V, x.stride(0), per, parts,
                                    BLOCK=block, BLOCK_PARTS=bp, num_warps=4)
     return out
+
+# %% ../nbs/06_fused.ipynb #cd38432a
+@triton.jit
+def copy_rows_kernel(dst_ptr, dst_rows_ptr, src_ptr, src_rows_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    src_rows = tl.load(src_rows_ptr + i, mask=m, other=0)
+    dst_rows = tl.load(dst_rows_ptr + i, mask=m, other=0)
+    tl.store(dst_ptr + dst_rows, tl.load(src_ptr + src_rows, mask=m), mask=m)
+
+
+def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+    "dst[dst_rows] = src[src_rows] for 1-D `dst` and `src` of one dtype, in one launch."
+    if dst.dim() != 1 or src.dim() != 1 or dst.dtype != src.dtype or dst_rows.shape != src_rows.shape:
+        raise ValueError("copy_rows: 1-D dst and src of one dtype, and as many destination rows as source rows")
+    n = dst_rows.numel()
+    if n: copy_rows_kernel[(triton.cdiv(n, 256),)](dst, dst_rows, src, src_rows, n, BLOCK=256, num_warps=4)

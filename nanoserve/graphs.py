@@ -15,7 +15,7 @@ import torch
 from .model import AttentionMetadata, Qwen2ForCausalLM
 
 # %% auto #0
-__all__ = ['graph_batch_sizes', 'pick_bucket', 'capture_graphs', 'DecodeGraphs', 'graph_token_sizes', 'MixedGraphs']
+__all__ = ['graph_batch_sizes', 'pick_bucket', 'capture_graphs', 'apply_feed', 'DecodeGraphs', 'graph_token_sizes', 'MixedGraphs']
 
 # %% ../nbs/06b_cuda_graphs.ipynb #b69795b5
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -55,6 +55,17 @@ def capture_graphs(graphs: dict, forward, buckets: list[int], device: torch.devi
     if label: print(file=sys.stderr)
     return time.perf_counter() - t0, torch.cuda.memory_reserved(device) - before
 
+
+def apply_feed(input_ids: torch.Tensor, feed: tuple) -> None:
+    """`feed` = (rows, samples, which): input_ids[rows] = samples[which], the previous step's sampled tokens the
+    host has not seen (the engine chapter). On a GPU one launch (`copy_rows`), not a gather and a scatter."""
+    rows, samples, which = feed
+    if input_ids.is_cuda:
+        from nanoserve.fused import copy_rows
+        copy_rows(input_ids, rows, samples, which)
+    else:
+        input_ids.index_copy_(0, rows, samples.index_select(0, which))
+
 # %% ../nbs/06b_cuda_graphs.ipynb #05722d29
 class DecodeGraphs:
     "Decode-only steps replayed from CUDA graphs, one per batch bucket, over static input buffers."
@@ -86,7 +97,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(slots, bucket, self.block_tables[:bucket], ctx,
                                  decode_num_splits=self.num_splits[bucket], max_decode_context_len=self.max_model_len)
         hidden = self.model(ids, positions, self.kv_caches, meta)                         # [bucket, hidden]
-        self.logits[:bucket].copy_(self.model.compute_logits(hidden))
+        self.model.compute_logits(hidden, out=self.logits[:bucket])
 
     @torch.inference_mode()
     def capture(self, progress: bool = False, pool=None) -> None:
@@ -106,10 +117,10 @@ class DecodeGraphs:
     def run(self, packed: torch.Tensor, num_seqs: int, bucket: int, width: int, feed=None,
             start=None) -> torch.Tensor:
         """Load a step and replay its bucket's graph (or run it, without capture); logits [num_seqs, vocab].
-        `feed` (rows, token ids), both on the device, overwrites input tokens the host did not know yet; `start`,
+        `feed` (rows, samples, which; `apply_feed`) overwrites input tokens the host did not know yet; `start`,
         a CUDA event, is recorded once the inputs are loaded, just before the forward pass."""
         self.load(packed, bucket, width)
-        if feed is not None: self.small[0].index_copy_(0, *feed)
+        if feed is not None: apply_feed(self.small[0], feed)
         if start is not None: start.record()
         if self.graphs: self.graphs[bucket].replay()
         else: self._forward(bucket)
@@ -170,7 +181,7 @@ class MixedGraphs:
                                  prefill_start_pos=start, prefill_max_q_len=T,
                                  prefill_tile_map=tiles.view(2, -1))                     # [2, tiles]
         hidden = self.model(ids, positions, self.kv_caches, meta)                          # [T, hidden]
-        self.logits[:S].copy_(self.model.compute_logits(hidden[rows]))                     # [S, vocab]
+        self.model.compute_logits(hidden[rows], out=self.logits[:S])                       # [S, vocab]
 
     @torch.inference_mode()
     def capture(self, progress: bool = False, pool=None) -> None:
@@ -206,7 +217,7 @@ class MixedGraphs:
     def run(self, packed: torch.Tensor, T: int, num_seqs: int, width: int, feed=None, start=None) -> torch.Tensor:
         "Load a step and replay bucket `T`'s graph (or run it, without capture); logits of its sampled rows."
         self.load(packed, T, num_seqs, width)
-        if feed is not None: self.inputs[T][:T].index_copy_(0, *feed)          # as in `DecodeGraphs.run`
+        if feed is not None: apply_feed(self.inputs[T][:T], feed)              # as in `DecodeGraphs.run`
         if start is not None: start.record()                                   # as in `DecodeGraphs.run`
         if self.graphs: self.graphs[T].replay()
         else: self._forward(T)

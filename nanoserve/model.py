@@ -336,11 +336,12 @@ class Qwen2ForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        "Logits [S, vocab] in fp32 for the rows to sample."
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        "Logits [S, vocab] in fp32 for the rows to sample (written into `out`, if given: the cast is the copy)."
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, w)                        # [S, vocab] (one rank's slice under tensor parallelism)
-        return (logits if self.logits_gather is None else self.logits_gather(logits)).float()
+        logits = logits if self.logits_gather is None else self.logits_gather(logits)
+        return logits.float() if out is None else out.copy_(logits)
 
     @property
     def num_local_kv_heads(self) -> int:

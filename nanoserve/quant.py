@@ -941,11 +941,13 @@ class QuantEmbedding(nn.Module):
         return rows.reshape(*ids.shape, self.embedding_dim)                  # [..., K]
 
 
-def _quant_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    "Logits [S, vocab] in fp32 through the quantized LM head (joined by the model's `logits_gather`, if it has one)."
+def _quant_compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [S, vocab] in fp32 through the quantized LM head (joined by the model's `logits_gather`, if it has
+    one), into `out` if given."""
     logits = self.quant_lm_head(hidden)                                      # [S, vocab]
     gather = getattr(self, "logits_gather", None)
-    return (logits if gather is None else gather(logits)).float()
+    logits = logits if gather is None else gather(logits)
+    return logits.float() if out is None else out.copy_(logits)
 
 
 @dataclass(frozen=True)
