@@ -114,8 +114,6 @@ def patched(cname: str):
     import nanoserve.attention as A, nanoserve.engine as E
     A.ROPE_IN_DECODE = "rope_cache" not in cname          # the control: `rope_cache` before the decode kernel
     E.FAST_ARGMAX = "torch argmax" not in cname           # the control: torch's argmax in the sampler
-    import nanoserve.model as Mo
-    Mo.SPLITS_MERGED_BY_O_PROJ = "kernel merge" not in cname  # the control: the decode kernel merges its splits
 
 
 def rates(model_dir, res, shape, batches, configs, key="rate"):
@@ -267,55 +265,51 @@ def parity(model_dir, res):
     res["parity"] = out
 
 
-def o_merge(res, budget_s=60.0):
-    """One row, the 0.5B heads: the decode kernel merging its 16 splits then `gemv` for the output projection,
-    against the decode kernel leaving them unmerged and `gemv` merging them as it loads (`merge=`), each pair back
-    to back in CUDA graphs with programmatic dependent launch (graph_bench, over copies of the weight and the
-    cache); the merge-mode configs swept, the best kept in `MERGE_GEMV_CONFIGS` for the parts after it."""
-    from nanoserve.attention import decode_attention
-    from nanoserve.fused import MERGE_GEMV_CONFIGS, gemv
-    H, KVH, D, bs, N, S = 14, 2, 64, 16, 896, 16
-    out = res["o_merge"] = {"timer": "graph_bench (us per decode + output projection), pdl", "rows": []}
-    cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for k in (1024, 512, 256) for n in (8, 16)
-                    for w in (4, 8) if k * S // 2048 <= w]
-    t0 = time.perf_counter()
-    for ctx in (300, 1000):
-        torch.manual_seed(0)
-        nblk = (ctx + bs - 1) // bs
-        kc = torch.randn(nblk + 4, bs, KVH, D, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        w = torch.randn(N, H * D, device="cuda", dtype=torch.bfloat16) * 0.02
-        table = torch.randperm(nblk + 4, device="cuda")[:nblk].view(1, nblk)                # [1, nblk]
-        lens = torch.tensor([ctx], device="cuda")
-        q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16)
-        nbytes = 2 * N * H * D + 2 * kc.numel() * 2
-        ops = G.operand_copies((w, kc, vc), nbytes)
-        def kernel_merge(i):
-            w_, k_, v_ = ops[i]
-            return lambda: gemv(decode_attention(q, k_, v_, table, lens, D ** -0.5, ctx, num_splits=S, pdl=True)
-                                .view(1, H * D), w_, pdl=True)
-        def gemv_merge(cfg):
-            def make(i):
-                w_, k_, v_ = ops[i]
-                return lambda: gemv(None, w_, pdl=True, config=cfg, merge=decode_attention(
-                    q, k_, v_, table, lens, D ** -0.5, ctx, num_splits=S, pdl=True, partials=True))
-            return make
-        a = kernel_merge(0)()
-        b = gemv_merge(None)(0)()
-        row = {"ctx": ctx, "splits": S, "max_abs_diff": (a.float() - b.float()).abs().max().item(),
-               "identical": torch.equal(a, b), "kernel_merge_us": G.graph_bench(kernel_merge, nbytes), "gemv_merge_us": []}
-        for cfg in cands:
-            if time.perf_counter() - t0 > budget_s and cfg: break
-            row["gemv_merge_us"].append({**cfg, "us": min(G.graph_bench(gemv_merge(cfg), nbytes))})
-        best = min(row["gemv_merge_us"], key=lambda c: c["us"])
-        row["best"] = best
-        print("o_merge", ctx, "kernel merge", [round(x, 2) for x in row["kernel_merge_us"]], "gemv merge best", best,
-              "diff", row["max_abs_diff"], flush=True)
-        out["rows"].append(row)
-        del ops; torch.cuda.empty_cache()
-    best = min(out["rows"][-1]["gemv_merge_us"], key=lambda c: c["us"])       # chosen at the longer context
-    MERGE_GEMV_CONFIGS[(N, H * D)] = {k: v for k, v in best.items() if k != "us"}
-    out["chosen"] = MERGE_GEMV_CONFIGS[(N, H * D)]
+BEFORE_GEMV = {(1152, 896): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3, "SPLIT_K": 1},
+               (896, 896): {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
+               (896, 4864): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 5}}
+
+
+def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200):
+    """The engine's defaults against the batch-1 path before this round (RoPE in its own kernel, torch's argmax, the
+    previous 0.5B `gemv` table; each engine captured under its own settings), both built first, then timed in
+    alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept."""
+    from nanoserve.fused import GEMV_CONFIGS
+    from nanoserve.measure import warm_gpu
+    import nanoserve.engine as E
+    now = {k: dict(v) for k, v in GEMV_CONFIGS.items()}
+    engines = {}
+    for name in ("defaults", "before"):
+        patched("rope_cache, torch argmax" if name == "before" else "defaults")
+        GEMV_CONFIGS.update(BEFORE_GEMV if name == "before" else now)
+        engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
+                              max_num_seqs=max(batches), max_num_batched_tokens=2048)
+    GEMV_CONFIGS.update(now)
+    patched("defaults")
+    out = res.setdefault("interleaved", [])
+    for b in batches:
+        row = {"shape": shape, "batch": b, "ms_per_step": {n: [] for n in engines}}
+        for llm in engines.values(): G.steady_decode(llm, b)
+        for _ in range(rounds):
+            for name, llm in engines.items():
+                E.FAST_ARGMAX = name != "before"               # read at every step, outside the graphs
+                warm_gpu(0.3, llm.device)
+                for _ in range(20): llm.step()
+                torch.cuda.synchronize(); t0 = time.perf_counter()
+                for _ in range(steps): llm.step()
+                torch.cuda.synchronize()
+                row["ms_per_step"][name].append((time.perf_counter() - t0) / steps * 1e3)
+        E.FAST_ARGMAX = True
+        med = {n: sorted(v)[len(v) // 2] for n, v in row["ms_per_step"].items()}
+        row["median_ms"], row["ratio_before_over_defaults"] = med, med["before"] / med["defaults"]
+        row["passes_disagree"] = {n: max(v) > 1.15 * min(v) for n, v in row["ms_per_step"].items()}
+        print("interleaved", shape, b, {n: [round(x, 3) for x in v] for n, v in row["ms_per_step"].items()},
+              "median", {n: round(x, 3) for n, x in med.items()}, flush=True)
+        out.append(row)
+    for llm in engines.values():
+        for i in list(llm._requests): llm.abort_request(i)
+        while llm._inflight is not None: llm.step()
+    del engines; torch.cuda.empty_cache()
 
 
 def rope_in_decode_parity():
@@ -621,8 +615,7 @@ def main():
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {}),
-             "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}), "kmerge": ("kernel merge", {}),
-             "all": ("kernel merge, rope_cache, torch argmax", {}),
+             "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
              "both": ("rope_cache, torch argmax", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
@@ -634,7 +627,8 @@ def main():
     quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
-             "omerge": lambda: o_merge(res),
+             "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=8),
+             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),

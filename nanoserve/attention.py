@@ -303,14 +303,12 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
-                     rope: tuple | None = None, partials: bool = False):
+                     rope: tuple | None = None):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce_kernel` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
     `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
-    writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context).
-    `partials`: with more than one split, return the unmerged (part_out [B, H, S, D] fp32, part_lse [B, H, S])
-    for the next kernel to merge (the fused-kernels chapter's `gemv` does, for one row)."""
+    writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context)."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -319,7 +317,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     if B == 0: return out
     tile_n = _tile_n(block_size, D)
     if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile_n, num_sms(out.device))
-    merge = num_splits > 1 and merge_in_kernel and not partials
+    merge = num_splits > 1 and merge_in_kernel
     if num_splits > 1:
         part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=out.device)
@@ -339,7 +337,6 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,
         num_warps=4, **launch_options(pdl))
-    if num_splits > 1 and partials: return part_out, part_lse
     if num_splits > 1 and not merge:
         decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
                                      NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=num_splits)
@@ -465,17 +462,16 @@ ROPE_IN_DECODE = True
 
 
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
-                    pdl: bool = False, rope_in_decode: bool | None = None, partials: bool = False):
+                    pdl: bool = False, rope_in_decode: bool | None = None):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
     kernels use programmatic dependent launch (the fused-kernels chapter). A decode-only step (`rope_in_decode`,
-    by default `ROPE_IN_DECODE`) is one launch: the decode kernel does `rope_cache`'s work itself; with `partials`,
-    a decode-only step of one sequence may return its splits unmerged (see `decode_attention`)."""
+    by default `ROPE_IN_DECODE`) is one launch: the decode kernel does `rope_cache`'s work itself."""
     nd = meta.num_decode_tokens
     if nd and nd == qkv.shape[0] and (ROPE_IN_DECODE if rope_in_decode is None else rope_in_decode):
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                 meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,
-                                rope=(qkv, cos, sin, meta.slot_mapping), partials=partials and nd == 1)
+                                rope=(qkv, cos, sin, meta.slot_mapping))
     q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl)
     out = torch.empty_like(q)
     if nd:

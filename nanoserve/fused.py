@@ -18,9 +18,9 @@ import triton.language as tl
 from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_wait
 
 # %% auto #0
-__all__ = ['GEMV_CONFIGS', 'MERGE_GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel',
-           'silu_mul', 'silu_mul_ref', 'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref',
-           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows']
+__all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul', 'silu_mul_ref',
+           'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref', 'argmax_rows_kernel',
+           'argmax_rows', 'copy_rows_kernel', 'copy_rows']
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
@@ -171,24 +171,9 @@ def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _merged_inputs(part_ptr, lse_ptr, kk, K, S: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr):
-    """The `[BLOCK_K]` inputs `kk` of a row of attention output [H * D], merged from a decode kernel's unmerged
-    splits (`part_ptr` [H, S, D] fp32, `lse_ptr` [H, S]) as its own merge does, rounded to `dtype`."""
-    s = tl.arange(0, S)
-    h = kk // D
-    m = (kk < K)[:, None]
-    lse = tl.load(lse_ptr + h[:, None] * S + s[None, :], mask=m, other=0.0)                       # [BLOCK_K, S]
-    w = tl.exp2(lse - tl.max(lse, 1)[:, None])
-    w = w / _sum_last(w, 1)[:, None]
-    o = tl.load(part_ptr + (h[:, None] * S + s[None, :]) * D + (kk % D)[:, None], mask=m, other=0.0)  # [BLOCK_K, S]
-    return _sum_last(o * w, 1).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False, lse_ptr=None,
-                MERGE_S: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 1):
+                SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -200,18 +185,10 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
     kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
     w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
-    dt = out_ptr.dtype.element_ty
-    if MERGE_S > 0:                             # x: a decode kernel's unmerged splits, merged here
-        acc = w * _merged_inputs(x_ptr, lse_ptr, kk, K, MERGE_S, HEAD_DIM, dt)[None, :]
-    else:
-        acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
+    acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
     for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
-        if MERGE_S > 0:
-            xk = _merged_inputs(x_ptr, lse_ptr, kk, K, MERGE_S, HEAD_DIM, dt)
-        else:
-            xk = _gemv_inputs(x_ptr, kk, K, ACT, EVEN)
-        acc += _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN) * xk[None, :]
+        acc += _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN) * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
     out = _sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
     finish_split(out, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, 0, pid_n, pid_k,
                  tl.num_programs(1), HAS_BIAS, SPLIT)
@@ -230,10 +207,6 @@ GEMV_CONFIGS: dict[tuple[int, int], dict] = {     # (N, K) -> config over the ru
     (37888, 3584): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
     (3584, 18944): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 2},
 }
-
-
-# Over GEMV_CONFIGS when `gemv` merges a decode kernel's splits as it loads (`merge`), by (N, K); from an H200 sweep
-MERGE_GEMV_CONFIGS: dict[tuple[int, int], dict] = {}
 
 
 def split_tiles(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -255,30 +228,16 @@ def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
     return cfg
 
 
-def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-         config: dict | None = None, pdl: bool = False, merge: tuple | None = None) -> torch.Tensor:
-    """`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) *
-    up goes in. `merge` = (part_out [1, H, S, D], part_lse [1, H, S]) instead of `x`: a decode kernel's unmerged
-    splits (K = H x D), merged as the inputs load; the output is in the weight's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
+         config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    "`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up goes in."
     from nanoserve.attention import num_sms, split_counters
     N, K = weight.shape
-    merge_s, head_dim, lse = 0, 1, None
-    if merge is not None:
-        x, lse = merge
-        if x.dim() != 4 or x.shape[0] != 1 or x.shape[1] * x.shape[3] != K or lse.shape != x.shape[:3]:
-            raise ValueError(f"gemv: expected split partials [1, H, S, D] with H x D = {K}, got {tuple(x.shape)}")
-        merge_s, head_dim = x.shape[2], x.shape[3]
-        if merge_s & (merge_s - 1): raise ValueError(f"gemv: the number of splits must be a power of two, got {merge_s}")
-        if not (x.is_contiguous() and lse.is_contiguous()): raise ValueError("gemv: split partials must be contiguous")
-    elif x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if act else K):
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if act else K):
         raise ValueError(f"gemv: expected x of shape (1, {2 * K if act else K}), got {tuple(x.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1: raise ValueError("gemv: x and weight must be contiguous along K")
-    if merge is not None:      # the merge tiles are [BLOCK_K, S] fp32: enough warps to hold two without spilling
-        base = {**GEMV_CONFIGS.get((N, K), {}), **MERGE_GEMV_CONFIGS.get((N, K), {}), **(config or {})}
-        block_k = base.get("BLOCK_K", 256)
-        config = {"num_warps": max(base.get("num_warps", 4), block_k * merge_s // 2048), **base}
     cfg = gemv_config(N, K, num_sms(x.device), config)
-    out = torch.empty(1, N, dtype=weight.dtype if merge is not None else x.dtype, device=x.device)
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     split = cfg["SPLIT_K"] > 1
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     part = torch.empty(cfg["SPLIT_K"], 1, N, dtype=torch.float32, device=x.device) if split else out   # [S, 1, N]
@@ -286,9 +245,8 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
     gemv_kernel[(n_tiles, cfg["SPLIT_K"])](
         x, weight, bias if bias is not None else weight, out, part, counters, N, K, cfg["tiles_per_split"],
         weight.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl, lse_ptr=lse,
-        MERGE_S=merge_s, HEAD_DIM=head_dim, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_options(pdl))
+        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return out
 
 

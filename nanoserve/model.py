@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['SPLITS_MERGED_BY_O_PROJ', 'ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk',
-           'AttentionMetadata', 'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref',
-           'paged_attention_ref', 'linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM',
-           'load_state_dict', 'load_model']
+__all__ = ['ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata',
+           'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'linear',
+           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -229,11 +228,6 @@ def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata
     return attend_ref(q, k, v.view(T, num_kv_heads, D), k_cache, v_cache, meta, scale)
 
 # %% ../nbs/02_model.ipynb #10261aa5
-# A one-row decode step's attention splits are merged by the output projection's `gemv` as it loads its inputs
-# (the fused-kernels chapter), not by the decode kernel's last split; False: the decode kernel merges them
-SPLITS_MERGED_BY_O_PROJ = True
-
-
 def _gemv_fits(layer: nn.Module, x: torch.Tensor) -> bool:
     "Whether `gemv` can stand in for `layer` on `x`: a plain `nn.Linear`, one row, on a GPU."
     return type(layer) is nn.Linear and x.shape[0] == 1 and x.is_cuda
@@ -261,14 +255,8 @@ class Qwen2Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
         T = x.shape[0]
         qkv = linear(self.qkv_proj, x, self.row_gemv, self.pdl)                    # [T, (H+2KVH)*D]
-        kw = {"pdl": self.pdl}
-        if SPLITS_MERGED_BY_O_PROJ and self.row_gemv and _gemv_fits(self.o_proj, qkv):
-            from nanoserve.attention import paged_attention
-            if attn_fn is paged_attention: kw["partials"] = True       # a one-row decode may come back unmerged
-        out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale, **kw)
-        if isinstance(out, tuple):                  # (part_out, part_lse): `gemv` merges the splits as it loads them
-            from nanoserve.fused import gemv
-            return gemv(None, self.o_proj.weight, self.o_proj.bias, pdl=self.pdl, merge=out)          # [1, hidden]
+        out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale,
+                      pdl=self.pdl)                                                 # [T, H, D]
         return linear(self.o_proj, out.view(T, self.q_size), self.row_gemv, self.pdl)   # [T, hidden]
 
 
