@@ -273,7 +273,8 @@ BEFORE_GEMV = {(1152, 896): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "num
 def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200):
     """The engine's defaults against the batch-1 path before this round (RoPE in its own kernel, torch's argmax, the
     previous 0.5B `gemv` table; each engine captured under its own settings), both built first, then timed in
-    alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept."""
+    alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept.
+    Every round starts new sequences (prompts of 128), so each pass decodes over contexts of 148 to 348."""
     from nanoserve.fused import GEMV_CONFIGS
     from nanoserve.measure import warm_gpu
     import nanoserve.engine as E
@@ -289,8 +290,8 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200):
     out = res.setdefault("interleaved", [])
     for b in batches:
         row = {"shape": shape, "batch": b, "ms_per_step": {n: [] for n in engines}}
-        for llm in engines.values(): G.steady_decode(llm, b)
         for _ in range(rounds):
+            for llm in engines.values(): G.steady_decode(llm, b)       # the same contexts every round (128 + 220)
             for name, llm in engines.items():
                 E.FAST_ARGMAX = name != "before"               # read at every step, outside the graphs
                 warm_gpu(0.3, llm.device)

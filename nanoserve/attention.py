@@ -195,9 +195,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
             tl.store(k_cache_ptr + dst, k_new)
             tl.store(v_cache_ptr + dst, v_new)
-        if UPCAST:
-            k_new = k_new.to(tl.float32)
-            v_new = v_new.to(tl.float32)
+        tl.debug_barrier()                                # the slot written before any thread of the program reads it
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
@@ -214,10 +212,6 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        if ROPE:                                          # the new token from registers, not from its cache slot
-            is_new = (pos == ctx - 1)[:, None]
-            k = tl.where(is_new, k_new, k)
-            v = tl.where(is_new, v_new, v)
         s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(s))

@@ -95,14 +95,15 @@ class SamplingMetadata:
     any_filter: bool = False
 
 
-# On a GPU the argmax runs as the fused-kernels chapter's `argmax_rows` (many programs a row; torch's reduction
-# gives one row one block): 14 us of a 0.7 ms batch-1 step on the H200. False: torch's (the H200 scripts' control)
+# On a GPU the argmax of up to 16 rows runs as the fused-kernels chapter's `argmax_rows` (many programs a row;
+# torch's reduction gives a row one block: 14 us of a 0.7 ms batch-1 step on the H200). False: torch's always
+# (the H200 scripts' control)
 FAST_ARGMAX = True
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    "Index of each row's largest value, [S, V] -> [S]."
-    if FAST_ARGMAX and x.is_cuda:
+    "Index of each row's largest value, [S, V] -> [S] (`argmax_rows` for up to 16 rows on a GPU)."
+    if FAST_ARGMAX and x.is_cuda and x.shape[0] <= 16:     # beyond, torch's one block a row fills the GPU too
         from nanoserve.fused import argmax_rows
         return argmax_rows(x)
     return x.argmax(dim=-1)
