@@ -270,11 +270,11 @@ BEFORE_GEMV = {(1152, 896): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "num
                (896, 4864): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 5}}
 
 
-def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200):
+def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt_lens=(128,)):
     """The engine's defaults against the batch-1 path before this round (RoPE in its own kernel, torch's argmax, the
     previous 0.5B `gemv` table; each engine captured under its own settings), both built first, then timed in
     alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept.
-    Every round starts new sequences (prompts of 128), so each pass decodes over contexts of 148 to 348."""
+    Every round starts new sequences (prompts of `prompt_lens`), so each pass decodes over the same contexts."""
     from nanoserve.fused import GEMV_CONFIGS
     from nanoserve.measure import warm_gpu
     import nanoserve.engine as E
@@ -288,10 +288,10 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200):
     GEMV_CONFIGS.update(now)
     patched("defaults")
     out = res.setdefault("interleaved", [])
-    for b in batches:
-        row = {"shape": shape, "batch": b, "ms_per_step": {n: [] for n in engines}}
+    for b, plen in ((b, p) for p in prompt_lens for b in batches):
+        row = {"shape": shape, "batch": b, "prompt_len": plen, "ms_per_step": {n: [] for n in engines}}
         for _ in range(rounds):
-            for llm in engines.values(): G.steady_decode(llm, b)       # the same contexts every round (128 + 220)
+            for llm in engines.values(): G.steady_decode(llm, b, plen)  # the same contexts every round (+ 220)
             for name, llm in engines.items():
                 E.FAST_ARGMAX = name != "before"               # read at every step, outside the graphs
                 warm_gpu(0.3, llm.device)
@@ -304,7 +304,7 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200):
         med = {n: sorted(v)[len(v) // 2] for n, v in row["ms_per_step"].items()}
         row["median_ms"], row["ratio_before_over_defaults"] = med, med["before"] / med["defaults"]
         row["passes_disagree"] = {n: max(v) > 1.15 * min(v) for n, v in row["ms_per_step"].items()}
-        print("interleaved", shape, b, {n: [round(x, 3) for x in v] for n, v in row["ms_per_step"].items()},
+        print("interleaved", shape, b, plen, {n: [round(x, 3) for x in v] for n, v in row["ms_per_step"].items()},
               "median", {n: round(x, 3) for n, x in med.items()}, flush=True)
         out.append(row)
     for llm in engines.values():
@@ -628,7 +628,7 @@ def main():
     quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
-             "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=8),
+             "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=6, prompt_lens=(128, 2000)),
              "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
