@@ -57,7 +57,7 @@ def gemm(res, row_counts=(8, 32), key="gemm"):
                 row["packed"].append({**c, "us": us, "rel_err": err(Q.quant_gemm(x, *q, b, "int4", 128, config=c))})
             best = min(row["packed"], key=lambda r: r["us"])
             row["best_packed"] = best
-            if T <= Q.PACKED_MAX_T:                        # decode rows: the tiles part b runs with
+            if T <= 32:                                    # decode rows: the tiles part b runs with
                 BEST[(N, K, T)] = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages") if k in best}
             print(f"gemm {name} T={T}: bf16 {row['bf16_us']:.1f} us, int4 {row['int4_us']:.1f} us, packed "
                   f"{best['us']:.1f} us {BEST.get((N, K, T), '')}, errs {row['int4_err']:.1e} "

@@ -286,7 +286,8 @@ def test_configs_and_overrides():
         gu8, gu32 = gemm_config(8, 37888, 3584, "int4", 128, 132), gemm_config(32, 37888, 3584, "int4", 128, 132)
         assert gu8["PACKED"] and (gu8["BLOCK_M"], gu8["BLOCK_N"], gu8["num_warps"]) == (16, 128, 8)   # TUNED_GEMM
         assert gu32["PACKED"] and (gu32["BLOCK_M"], gu32["BLOCK_N"]) == (32, 64)                       # the rule
-        assert not gemm_config(33, 37888, 3584, "int4", 128, 132).get("PACKED")    # past the measured rows
+        assert gemm_config(33, 37888, 3584, "int4", 128, 132).get("PACKED")        # every row count now
+        assert gemm_config(600, 37888, 3584, "int4", 128, 132).get("PACKED")
         assert not gemm_config(8, 37888, 3584, "int8", None, 132).get("PACKED")
         GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
         c = gemv_config(1, 3584, 18944, "int8", None, 132)
