@@ -36,6 +36,14 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    projections' words path (1, 2 or 4 groups a K tile) and the INT8 QKV and output projections, swept over blocks
    and splits against the package's table, the faster configs kept for the parts after it (so `int4words,rate7bq`
    times the step with them).
+9. profileb1: the profile at batch 1 alone, for the defaults and each control; gemv05: the gemv sweep for the 0.5B
+   shapes only (1024-wide K tiles tried first); rate1b / rate7bb: as rate / rate7b, under "rate_after";
+10. ab / ab7b: an interleaved A/B: the defaults and the batch-1 path before the sixth round of the CUDA-graphs
+   chapter (RoPE in its own kernel, torch's argmax, the previous 0.5B gemv table) both built first, then timed in
+   alternating passes, new sequences each round (0.5B: batch 1 and 64, prompts of 128 and 2,000; 7B: batch 1).
+   Parity also checks the decode kernel with RoPE inside against `rope_cache` + the decode kernel, and
+   `argmax_rows` against torch. Controls of the sixth round: `rope` ("rope_cache"), `argmax` ("torch argmax"),
+   `both`.
 """
 import argparse, json, os, sys, time
 from collections import defaultdict
