@@ -159,3 +159,15 @@ def assert_all_free(llm) -> None:
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks still in use"
     llm.scheduler.check_invariants()
+
+
+def compiled_run(script: str, timeout: int = 600) -> str:
+    """Run `script` in a fresh Python with TRITON_INTERPRET=0 from the repository root (it compiles for sm_90 on the
+    CPU, it does not interpret; `kernels/` importable): its standard output."""
+    import os, subprocess, sys
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                       cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout

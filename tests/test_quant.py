@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM
+
+from helpers import compiled_run
 from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, TUNED_GEMV, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
                              QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
@@ -444,19 +446,6 @@ def test_import_without_interpret_on_cpu():
     r = subprocess.run([sys.executable, "-c", "import nanoserve.quant as q; print(q.METHODS)"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-
-
-def compiled_run(script: str, timeout: int = 600) -> str:
-    """Run `script` in a fresh Python with TRITON_INTERPRET=0 from the repository root (it compiles for sm_90 on the
-    CPU, it does not interpret; `kernels/` importable): its standard output."""
-    import subprocess, sys
-    from pathlib import Path
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
-                       cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
 
 
 HALF2_COMPILE = """

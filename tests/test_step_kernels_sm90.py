@@ -1,0 +1,56 @@
+"""The batch-1 step's kernels of the CUDA-graphs chapter's sixth round, compiled for sm_90 on the CPU (Triton's own
+ptxas, no GPU): the interpreter runs their arithmetic in the notebooks, but not the compiler, so a kernel that only
+fails to compile would reach the H200 first."""
+import json
+
+from helpers import compiled_run
+
+STEP_KERNELS = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import nanoserve.attention as A, nanoserve.fused as F
+
+def compile_ptx(kernel, ptrs, ints, consts, num_warps=4):
+    sig, cst, attrs = {}, {}, {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in ptrs: sig[n] = ptrs[n]; attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ints: sig[n] = ints[n]
+        else: sig[n] = "constexpr"; cst[(i,)] = consts[n]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr")}
+ptrs.update(block_tables_ptr="*i64", context_lens_ptr="*i64", part_out_ptr="*fp32", part_lse_ptr="*fp32",
+            counter_ptr="*i32", slot_mapping_ptr="*i64")
+ints = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt", "stride_ot",
+                           "stride_oh", "stride_qkv", "stride_cos")}
+ints["scale_log2"] = "fp32"
+out = {}
+for rope in (False, True):          # the 0.5B heads at batch 1: 16 splits merged by the last one
+    ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
+        NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=16, MERGE=True,
+        UPCAST=False, ROPE=rope, PDL=True))
+    out[f"decode rope={rope}"] = {"bar": ptx.count("bar.sync"), "st": ptx.count("st.global"),
+                                  "gdc": ptx.count("griddepcontrol.wait")}
+ptx = compile_ptx(F.argmax_rows_kernel, {"x_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
+                                         "out_ptr": "*i64", "counter_ptr": "*i32"},
+                  {"V": "i32", "stride_x": "i32", "per_part": "i32", "num_parts": "i32"}, dict(BLOCK=1024, BLOCK_PARTS=256))
+out["argmax_rows"] = {"atom": ptx.count("atom.global"), "st": ptx.count("st.global")}
+ptx = compile_ptx(F.copy_rows_kernel, {"dst_ptr": "*i64", "dst_rows_ptr": "*i64", "src_ptr": "*i64",
+                                       "src_rows_ptr": "*i64"}, {"n": "i32"}, dict(BLOCK=256))
+out["copy_rows"] = {"st": ptx.count("st.global")}
+print(json.dumps(out))
+"""
+
+
+def test_step_kernels_compile_for_hopper():
+    """The decode kernel with RoPE and the cache write inside (`ROPE`), `argmax_rows` and `copy_rows` compile for
+    sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
+    writes, before its threads read the tile), and keeps waiting for the kernel before it."""
+    k = json.loads(compiled_run(STEP_KERNELS, 900).strip().splitlines()[-1])
+    plain, rope = k["decode rope=False"], k["decode rope=True"]
+    assert rope["bar"] == plain["bar"] + 1 and rope["st"] > plain["st"]
+    assert rope["gdc"] == plain["gdc"] == 1
+    assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
+    assert k["copy_rows"]["st"] >= 1
