@@ -296,7 +296,7 @@ def argmax_rows_kernel(x_ptr, part_val_ptr, part_idx_ptr, out_ptr, counter_ptr, 
 def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     "The index of each row's largest value (the first, on ties): `x` [B, V] -> [B] int64, like `x.argmax(-1)`."
     from nanoserve.attention import num_sms, split_counters
-    if x.dim() != 2 or x.stride(-1) != 1: raise ValueError(f"argmax_rows: expected a [B, V] tensor contiguous in V")
+    if x.dim() != 2 or x.stride(-1) != 1: raise ValueError("argmax_rows: expected a [B, V] tensor contiguous in V")
     B, V = x.shape
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     if B == 0: return out
