@@ -103,8 +103,8 @@ FAST_ARGMAX = True
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     "Index of each row's largest value, [S, V] -> [S] (`argmax_rows` for up to 16 rows on a GPU)."
-    if FAST_ARGMAX and x.is_cuda and x.shape[0] <= 16 and x.stride(-1) == 1:   # beyond 16 rows torch's one block
-                                                                                # a row fills the GPU too
+    fits = x.shape[0] <= 16 and x.stride(-1) == 1        # beyond 16 rows torch's one block a row fills the GPU too
+    if FAST_ARGMAX and x.is_cuda and fits:
         from nanoserve.fused import argmax_rows
         return argmax_rows(x)
     return x.argmax(dim=-1)
