@@ -154,7 +154,7 @@ def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                             part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                            qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_qkv, stride_cos,
+                            cos_ptr, sin_ptr, slot_mapping_ptr, stride_cos,
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
@@ -174,16 +174,16 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     n = tl.arange(0, TILE_N)
     heads = kvh * G + g
     gm = g[:, None] < G
-    if ROPE:        # q, this step's key and value straight from the QKV projection, rotated here (`rope_cache`'s work)
+    if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here (`rope_cache`'s work)
         HALF: tl.constexpr = HEAD_DIM // 2
-        row = qkv_ptr + seq * stride_qkv
+        row = q_ptr + seq * stride_qt
         first = (d < HALF)[None, :]
         partner = (d + HALF) % HEAD_DIM                   # the other half of each rotated pair
         cos = tl.load(cos_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]                    # [1, D]
         sin = tl.load(sin_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]
         qa = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0.0).to(tl.float32)
         qb = tl.load(row + heads[:, None] * HEAD_DIM + partner[None, :], mask=gm, other=0.0).to(tl.float32)
-        q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(qkv_ptr.dtype.element_ty)  # [BLOCK_G, D]
+        q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(q_ptr.dtype.element_ty)    # [BLOCK_G, D]
         k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
         ka = tl.load(k_row + d).to(tl.float32)[None, :]
         kb = tl.load(k_row + partner).to(tl.float32)[None, :]
@@ -318,15 +318,15 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     else:
         part_out = part_lse = out
     counters = split_counters(out.device, B * KVH) if merge else out
-    if rope is not None:
-        qkv, cos, sin, slots = rope
-        assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and qkv.shape[-1] == (H + 2 * KVH) * D
-        q, rope_args = qkv, (qkv, cos, sin, slots, qkv.stride(0), cos.stride(0))
+    if rope is not None:                          # the kernel reads q, k and v from `qkv` through q's pointer
+        q, cos, sin, slots = rope
+        assert q.stride(-1) == 1 and cos.stride(-1) == 1 and q.shape[-1] == (H + 2 * KVH) * D
+        rope_args = (cos, sin, slots, cos.stride(0))
     else:
-        rope_args = (q, q, q, q, 0, 0)
+        rope_args = (q, q, q, 0)
     decode_attention_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters, scale * math.log2(math.e),
-        q.stride(0), q.stride(1) if rope is None else D, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_args,
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,

@@ -20,11 +20,11 @@ def compile_ptx(kernel, ptrs, ints, consts, num_warps=4):
     src = ASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
-ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr")}
+ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "cos_ptr", "sin_ptr")}
 ptrs.update(block_tables_ptr="*i64", context_lens_ptr="*i64", part_out_ptr="*fp32", part_lse_ptr="*fp32",
             counter_ptr="*i32", slot_mapping_ptr="*i64")
 ints = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt", "stride_ot",
-                           "stride_oh", "stride_qkv", "stride_cos")}
+                           "stride_oh", "stride_cos")}
 ints["scale_log2"] = "fp32"
 out = {}
 for rope in (False, True):          # the 0.5B heads at batch 1: 16 splits merged by the last one
