@@ -339,7 +339,10 @@ class Qwen2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         "Logits [S, vocab] in fp32 for the rows to sample (written into `out`, if given: the cast is the copy)."
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, w)                        # [S, vocab] (one rank's slice under tensor parallelism)
+        return self.finish_logits(F.linear(hidden, w), out)   # [S, vocab] (one rank's slice under tensor parallelism)
+
+    def finish_logits(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        "The LM head's output joined across ranks (`logits_gather`, if set), in fp32; into `out` if given."
         logits = logits if self.logits_gather is None else self.logits_gather(logits)
         return logits.float() if out is None else out.copy_(logits)
 

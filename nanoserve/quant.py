@@ -948,10 +948,7 @@ class QuantEmbedding(nn.Module):
 def _quant_compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [S, vocab] in fp32 through the quantized LM head (joined by the model's `logits_gather`, if it has
     one), into `out` if given."""
-    logits = self.quant_lm_head(hidden)                                      # [S, vocab]
-    gather = getattr(self, "logits_gather", None)
-    logits = logits if gather is None else gather(logits)
-    return logits.float() if out is None else out.copy_(logits)
+    return self.finish_logits(self.quant_lm_head(hidden), out)               # [S, vocab]
 
 
 @dataclass(frozen=True)
