@@ -1,19 +1,20 @@
-"""The INT4 tensor-core GEMM at decode batches (8 and 32 rows) on the H200: the nibbles interleaved in registers
-and converted one by one (the package's path) against the weights read as int32 words and dequantized two at a
-time in packed bf16 pairs (`PACKED`, `DEQUANT_ASM`), per 7B projection; then the 7B decode step at batch 8 and 32
-with each, against bf16, in one run (issue 9).
+"""The INT4 tensor-core GEMM on the H200: the nibbles interleaved in registers and converted one by one (the
+package's first path, `PACKED: False`) against the weights read as int32 words and dequantized two at a time in
+packed bf16 pairs (`PACKED`, `DEQUANT_ASM`; the package's path since git f80aa99), per 7B projection; then the 7B
+decode step at batch 8 and 32 with each, against bf16, in one run (issue 9).
 
 Run on the device machine from the repo root:
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_gemm_h200.py --out $OUT
 Writes quant_gemm_h200.json (raw numbers, git sha, GPU, versions, date) after every part; copy it to figures/data/.
-a. gemm: each projection at T in (8, 32): bf16 F.linear, the package's INT4 GEMM (its rule's tiles), and PACKED
+a. gemm: each projection at T in (8, 32): bf16 F.linear, the nibble path (the rule's tiles), and PACKED
    over a few tiles (BLOCK_N, num_warps 4 or 8, num_stages 3 or 4; BLOCK_K = the group), each timed by
    graph_bench (calls over enough weight copies to defeat L2, captured in one CUDA graph); max relative error
    against the fp32 reference.
-   The best PACKED tiles per (layer, T) are kept for part b. `--parts prefill` does the same at 128 and 512 rows
-   (where the package does not take PACKED yet: not timed), into "prefill".
-b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32: bf16, INT4 as shipped, INT4 with
-   PACKED (the package's `gemm_config` wrapped to add it, with part a's best tiles), two timed passes each.
+   The best PACKED tiles per (layer, T) are kept for part b. `--parts prefill` does the same at 128 and 512 rows,
+   into "prefill".
+b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32: bf16, INT4 on the nibble path (the
+   package's `gemm_config` wrapped to turn PACKED off; row name "int4"), INT4 with PACKED and part a's best tiles
+   ("int4 packed"), two timed passes each.
 """
 import json, sys
 from pathlib import Path
@@ -30,11 +31,19 @@ ORIGINAL_GEMM_CONFIG = Q.gemm_config
 BEST: dict[tuple[int, int, int], dict] = {}            # (N, K, T bucket) -> PACKED tiles
 
 
+NIBBLES = {"PACKED": False}                            # the control: INT4 unpacked nibble by nibble
+
+
 def packed_gemm_config(M, N, K, method, group_size, sms, config=None):
     "The package's GEMM rule, with PACKED (and part a's best tiles for this layer and row bucket) for INT4."
     if method != "int4": return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, config)
     extra = {"PACKED": True, **BEST.get((N, K, 8 if M <= 16 else 32), {})}
     return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, {**extra, **(config or {})})
+
+
+def nibble_gemm_config(M, N, K, method, group_size, sms, config=None):
+    "The package's GEMM rule with PACKED off (the control)."
+    return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, {**(config or {}), **NIBBLES})
 
 
 def gemm(res, row_counts=(8, 32), key="gemm"):
@@ -49,8 +58,9 @@ def gemm(res, row_counts=(8, 32), key="gemm"):
             err = lambda out: ((out.float() - ref).abs().max() / ref.abs().max()).item()
             row = {"layer": name, "N": N, "K": K, "T": T,
                    "bf16_us": min(G.graph_bench(lambda i: (lambda: F.linear(x, ws[i], b)), nbytes)),
-                   "int4_us": min(G.graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", 128)), qb)),
-                   "int4_err": err(Q.quant_gemm(x, *q, b, "int4", 128)), "packed": []}
+                   "int4_us": min(G.graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", 128,
+                                                                                config=NIBBLES)), qb)),
+                   "int4_err": err(Q.quant_gemm(x, *q, b, "int4", 128, config=NIBBLES)), "packed": []}
             for cfg in [{}] + tiles:
                 c = {"PACKED": True, **cfg}
                 us = min(G.graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", 128, config=c)), qb))
@@ -69,10 +79,11 @@ def gemm(res, row_counts=(8, 32), key="gemm"):
 
 def rate(res):
     model = G.fast_random_checkpoint("7B")
-    G.step_rates(model, res, "7B", [8, 32], [("bf16", {}), ("int4", {"quantization": "int4"})], "rate")
-    Q.gemm_config = packed_gemm_config                 # gemm_launch looks the rule up in the module
-    try:
-        G.step_rates(model, res, "7B", [8, 32], [("int4 packed", {"quantization": "int4"})], "rate")
+    G.step_rates(model, res, "7B", [8, 32], [("bf16", {})], "rate")
+    try:                                               # gemm_launch looks the rule up in the module
+        for name, rule in (("int4", nibble_gemm_config), ("int4 packed", packed_gemm_config)):
+            Q.gemm_config = rule
+            G.step_rates(model, res, "7B", [8, 32], [(name, {"quantization": "int4"})], "rate")
     finally:
         Q.gemm_config = ORIGINAL_GEMM_CONFIG
 

@@ -686,8 +686,8 @@ def gemm_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
     else:
         cfg = {"BLOCK_M": max(16, min(64, triton.next_power_of_2(M))), "BLOCK_N": 64, "BLOCK_K": 128,
                "num_warps": 4, "num_stages": 3}
-    if bits == 4:            # words, packed pairs: measured at 8, 32, 128 and 512 rows (the rows between: untimed)
-        cfg["PACKED"] = True
+    if bits == 4 and (config or {}).get("PACKED", True):   # words, packed pairs: measured at 8, 32, 128 and 512
+        cfg["PACKED"] = True                                 # rows (the rows between: untimed); its tuned tiles
         cfg.update(TUNED_GEMM.get((method, N, K, cfg["BLOCK_M"]), {}))
     cfg.update(config or {})
     cfg["BLOCK_K"] = _block_k(bits, group_size, cfg["BLOCK_K"])

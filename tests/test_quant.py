@@ -290,6 +290,8 @@ def test_configs_and_overrides():
         assert gu32["PACKED"] and (gu32["BLOCK_M"], gu32["BLOCK_N"]) == (32, 64)                       # the rule
         assert gemm_config(33, 37888, 3584, "int4", 128, 132).get("PACKED")        # every row count now
         assert gemm_config(600, 37888, 3584, "int4", 128, 132).get("PACKED")
+        nib = gemm_config(8, 37888, 3584, "int4", 128, 132, {"PACKED": False})      # the control: the rule's tiles
+        assert not nib["PACKED"] and (nib["BLOCK_N"], nib["num_warps"]) == (64, 4)
         assert not gemm_config(8, 37888, 3584, "int8", None, 132).get("PACKED")
         GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
         c = gemv_config(1, 3584, 18944, "int8", None, 132)
