@@ -119,9 +119,10 @@ def patched(cname: str):
     with_words(not cname.endswith("no words"))
     with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
-    import nanoserve.attention as A, nanoserve.engine as E
+    import nanoserve.attention as A, nanoserve.engine as E, nanoserve.fused as F
     A.ROPE_IN_DECODE = "rope_cache" not in cname          # the control: `rope_cache` before the decode kernel
     E.FAST_ARGMAX = "torch argmax" not in cname           # the control: torch's argmax in the sampler
+    F.NORM_IN_GEMV = "norm kernel" not in cname           # the control: `add_rmsnorm`'s own launch before `gemv`
 
 
 def rates(model_dir, res, shape, batches, configs, key="rate"):
@@ -263,6 +264,8 @@ def parity(model_dir, res):
     out["decode_kernel"] = rows
     print("decode kernel worst", max(r["max_abs_err"] for r in rows), flush=True)
     out["rope_in_decode"] = rope_in_decode_parity()
+    out["batch1"] = batch1_parity(model_dir, prompts[:4])
+    out["norm_gemv"] = norm_gemv_parity()
     from nanoserve.fused import argmax_rows
     out["argmax_rows"] = []
     for B in (1, 8, 64, 256):
@@ -278,37 +281,38 @@ BEFORE_GEMV = {(1152, 896): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "num
                (896, 4864): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 5}}
 
 
-def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt_lens=(128,)):
-    """The engine's defaults against the batch-1 path before this round (RoPE in its own kernel, torch's argmax, the
+def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt_lens=(128,), before="norm kernel"):
+    """The engine's defaults against the path before this round (the configuration named `before`, with its
+    module-level controls: "norm kernel", or the sixth round's "rope_cache, torch argmax", which also takes the
     previous 0.5B `gemv` table; each engine captured under its own settings), both built first, then timed in
     alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept.
     Every round starts new sequences (prompts of `prompt_lens`), so each pass decodes over the same contexts."""
     from nanoserve.fused import GEMV_CONFIGS
     from nanoserve.measure import warm_gpu
-    import nanoserve.engine as E
     now = {k: dict(v) for k, v in GEMV_CONFIGS.items()}
-    engines = {}
+    engines, cname = {}, {"defaults": "defaults", "before": before}
     for name in ("defaults", "before"):
-        patched("rope_cache, torch argmax" if name == "before" else "defaults")
-        GEMV_CONFIGS.update(BEFORE_GEMV if name == "before" else now)
+        patched(cname[name])
+        GEMV_CONFIGS.update(BEFORE_GEMV if name == "before" and before == "rope_cache, torch argmax" else now)
         engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
                               max_num_seqs=max(batches), max_num_batched_tokens=2048)
     GEMV_CONFIGS.update(now)
     patched("defaults")
     out = res.setdefault("interleaved", [])
     for b, plen in ((b, p) for p in prompt_lens for b in batches):
-        row = {"shape": shape, "batch": b, "prompt_len": plen, "ms_per_step": {n: [] for n in engines}}
+        row = {"shape": shape, "batch": b, "prompt_len": plen, "before": before, "ms_per_step": {n: [] for n in engines}}
         for _ in range(rounds):
-            for llm in engines.values(): G.steady_decode(llm, b, plen)  # the same contexts every round (+ 220)
+            for name, llm in engines.items():                  # the same contexts every round (+ 220)
+                patched(cname[name]); G.steady_decode(llm, b, plen)
             for name, llm in engines.items():
-                E.FAST_ARGMAX = name != "before"               # read at every step, outside the graphs
+                patched(cname[name])                           # flags read at every step, outside the graphs
                 warm_gpu(0.3, llm.device)
                 for _ in range(20): llm.step()
                 torch.cuda.synchronize(); t0 = time.perf_counter()
                 for _ in range(steps): llm.step()
                 torch.cuda.synchronize()
                 row["ms_per_step"][name].append((time.perf_counter() - t0) / steps * 1e3)
-        E.FAST_ARGMAX = True
+        patched("defaults")
         med = {n: sorted(v)[len(v) // 2] for n, v in row["ms_per_step"].items()}
         row["median_ms"], row["ratio_before_over_defaults"] = med, med["before"] / med["defaults"]
         row["passes_disagree"] = {n: max(v) > 1.15 * min(v) for n, v in row["ms_per_step"].items()}
@@ -319,6 +323,54 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
         for i in list(llm._requests): llm.abort_request(i)
         while llm._inflight is not None: llm.step()
     del engines; torch.cuda.empty_cache()
+
+
+def batch1_parity(model_dir, prompts):
+    """Greedy tokens at batch 1 (one sequence at a time: every decode step takes the one-row path), the defaults
+    against enforce_eager (fp32) and against the norm in its own kernel (fp32 and bf16)."""
+    sp = G.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        toks = {}
+        for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
+                         ("defaults", {}), ("norm kernel", {})):
+            if name == "eager" and dtype == "bfloat16": continue
+            patched(name if name == "norm kernel" else "defaults")
+            llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw)
+            toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
+            del llm; torch.cuda.empty_cache()
+        patched("defaults")
+        d = toks["defaults"]
+        out[dtype] = {n: sum(x == y for x, y in zip(d, t)) for n, t in toks.items() if n != "defaults"}
+        out[dtype]["sequences"] = len(d)
+        print("batch-1 parity", dtype, out[dtype], flush=True)
+    return out
+
+
+def norm_gemv_parity():
+    """`gemv` with the RMSNorm taken in against `add_rmsnorm` then `gemv`, bf16, the QKV and gate/up shapes of the
+    0.5B and 7B models, with and without a residual: outputs and new residuals compared bit for bit."""
+    from nanoserve.fused import add_rmsnorm, gemv
+    rows = []
+    torch.manual_seed(2)
+    for N, K in ((1152, 896), (9728, 896), (4608, 3584), (37888, 3584)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16) if N in (1152, 4608) else None
+        nw = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+        for res in (False, True):
+            for _ in range(3):
+                x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16) * 4
+                r = torch.randn_like(x) * 4 if res else None
+                h, want_r = add_rmsnorm(x, r, nw, 1e-6) if res else (add_rmsnorm(x, None, nw, 1e-6), x)
+                want = gemv(h, w, b)
+                got, got_r = gemv(x, w, b, norm=(nw, 1e-6), residual=r)
+                rows.append({"N": N, "K": K, "residual": res, "identical": torch.equal(got, want),
+                             "residual_identical": torch.equal(got_r, want_r),
+                             "max_abs_diff": (got.float() - want.float()).abs().max().item(),
+                             "max_abs": want.float().abs().max().item()})
+    print("norm gemv parity: identical", sum(r["identical"] for r in rows), "of", len(rows), "residuals",
+          sum(r["residual_identical"] for r in rows), "worst", max(r["max_abs_diff"] for r in rows), flush=True)
+    return rows
 
 
 def rope_in_decode_parity():
@@ -614,9 +666,13 @@ def main():
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
                          "splits4/splits8 (the decode kernel's splits fixed)")
+    ap.add_argument("--before", default="norm kernel",
+                    help="ab, ab1, ab7b: the configuration the defaults are timed against")
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
+                      + (f" --before '{args.before}'" if "ab" in args.parts.split(",") or "ab1" in args.parts.split(",")
+                         or "ab7b" in args.parts.split(",") else "")
                       + (f" --budget {args.budget} --methods {args.methods} --shape {args.shape}"
                          if "int4words" in args.parts else "")
                       + (f" --overrides {args.overrides}" if args.overrides else "")}
@@ -625,7 +681,7 @@ def main():
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {}),
              "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
-             "both": ("rope_cache, torch argmax", {})}
+             "both": ("rope_cache, torch argmax", {}), "norm": ("norm kernel", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
@@ -636,8 +692,10 @@ def main():
     quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
-             "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=6, prompt_lens=(128, 2000)),
-             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3),
+             "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=6, prompt_lens=(128, 2000),
+                                       before=args.before),
+             "ab1": lambda: interleaved(d05, res, "0.5B", batches=(1,), rounds=10, before=args.before),
+             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3, before=args.before),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),

@@ -18,9 +18,9 @@ import triton.language as tl
 from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_wait
 
 # %% auto #0
-__all__ = ['GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul', 'silu_mul_ref',
-           'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref', 'argmax_rows_kernel',
-           'argmax_rows', 'copy_rows_kernel', 'copy_rows']
+__all__ = ['NORM_IN_GEMV', 'GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul',
+           'silu_mul_ref', 'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref',
+           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows']
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
@@ -160,20 +160,47 @@ def _load_k(ptr, kk, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr):
-    "The `[BLOCK_K]` inputs in fp32; with `ACT`, silu(gate) * up of the `[1, 2K]` row, rounded as `silu_mul` rounds."
+def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, num_tiles, eps, store, BLOCK_K: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
+    """1 / RMS of the whole row `x` (+ `res`, the sum rounded as `add_rmsnorm` rounds it); where `store`, the sum is
+    also written to `new_res` (the new residual)."""
+    k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for t in range(0, num_tiles):
+        kk = t * BLOCK_K + k
+        s = _load_k(x_ptr, kk, K, EVEN)
+        if HAS_RESIDUAL:
+            s = (s + _load_k(res_ptr, kk, K, EVEN)).to(x_ptr.dtype.element_ty)
+            tl.store(new_res_ptr + kk, s, mask=(kk < K) & store)
+            s = s.to(tl.float32)
+        ss += s * s
+    return 1.0 / tl.sqrt(_sum_last(ss, 0) / K + eps)
+
+
+@triton.jit
+def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr, res_ptr, norm_w_ptr, rstd, NORM: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    """The `[BLOCK_K]` inputs in fp32; with `ACT`, silu(gate) * up of the `[1, 2K]` row, rounded as `silu_mul` rounds;
+    with `NORM`, the row (+ `res`) times `rstd` times the norm's weight, rounded as `add_rmsnorm` rounds."""
     x = _load_k(x_ptr, kk, K, EVEN)
     if ACT:                                   # x is the gate
         up = _load_k(x_ptr + K, kk, K, EVEN)
         x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
         x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = (x + _load_k(res_ptr, kk, K, EVEN)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x * _load_k(norm_w_ptr, kk, K, EVEN)).to(x_ptr.dtype.element_ty).to(tl.float32)
     return x
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
+                res_ptr, new_res_ptr, norm_w_ptr, eps,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+                SPLIT: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr = False,
+                HAS_RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -185,13 +212,23 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
     kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
     w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
-    acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
+    rstd = 1.0
+    if NORM:                                    # every program normalises the whole row; the first stores the sum
+        rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, K, num_tiles, eps, (pid_n == 0) & (pid_k == 0), BLOCK_K,
+                         HAS_RESIDUAL, EVEN)
+    acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :]
     for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
-        acc += _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN) * _gemv_inputs(x_ptr, kk, K, ACT, EVEN)[None, :]
+        acc += (_gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)
+                * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :])
     out = _sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
     finish_split(out, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, 0, pid_n, pid_k,
                  tl.num_programs(1), HAS_BIAS, SPLIT)
+
+
+# One-row projections after an RMSNorm (QKV, gate/up) take the norm in (`gemv(..., norm=)`) rather than after
+# `add_rmsnorm`'s own launch (the model chapter's `norm_linear`); False: the norm in its own kernel (the control).
+NORM_IN_GEMV = True
 
 
 # The best configuration per layer shape of the Qwen2.5 0.5B and 7B models at one row, from the H200 sweeps of
@@ -229,31 +266,49 @@ def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-         config: dict | None = None, pdl: bool = False) -> torch.Tensor:
-    "`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up goes in."
+         config: dict | None = None, pdl: bool = False, norm: tuple | None = None,
+         residual: torch.Tensor | None = None):
+    """`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up
+    goes in. With `norm` = (norm weight [K], eps), RMSNorm of `x` (+ `residual`) goes in, as `add_rmsnorm` computes
+    it, and the result is `(out, new residual)`: `x + residual`, or `x` itself without a residual."""
     from nanoserve.attention import num_sms, split_counters
     N, K = weight.shape
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if act else K):
         raise ValueError(f"gemv: expected x of shape (1, {2 * K if act else K}), got {tuple(x.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1: raise ValueError("gemv: x and weight must be contiguous along K")
+    if norm is None and residual is not None: raise ValueError("gemv: a residual needs a norm")
+    if norm is not None:
+        if act: raise ValueError("gemv: norm and act cannot both go in")
+        if norm[0].shape != (K,) or not norm[0].is_contiguous():
+            raise ValueError(f"gemv: expected a contiguous norm weight of shape ({K},), got {tuple(norm[0].shape)}")
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+            raise ValueError(f"gemv: the residual must match x {tuple(x.shape)} {x.dtype}")
     cfg = gemv_config(N, K, num_sms(x.device), config)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else x                                  # [1, K]
     split = cfg["SPLIT_K"] > 1
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     part = torch.empty(cfg["SPLIT_K"], 1, N, dtype=torch.float32, device=x.device) if split else out   # [S, 1, N]
     counters = split_counters(x.device, n_tiles) if split else out
     gemv_kernel[(n_tiles, cfg["SPLIT_K"])](
         x, weight, bias if bias is not None else weight, out, part, counters, N, K, cfg["tiles_per_split"],
-        weight.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
-    return out
+        weight.stride(0), residual if residual is not None else x, new_residual,
+        norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
+        HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_options(pdl))
+    return out if norm is None else (out, new_residual)
 
 
-def gemv_ref(x, weight, bias=None, act=False):
-    "The torch path: `silu_mul` (if `act`), then `F.linear`."
+def gemv_ref(x, weight, bias=None, act=False, norm=None, residual=None):
+    "The torch path: `silu_mul` (if `act`) or `add_rmsnorm` (if `norm`), then `F.linear`."
     if act: x = silu_mul_ref(x)
-    return torch.nn.functional.linear(x, weight, bias)
+    if norm is None: return torch.nn.functional.linear(x, weight, bias)
+    new_residual = x if residual is None else None
+    if residual is None: x = add_rmsnorm_ref(x, None, *norm)
+    else: x, new_residual = add_rmsnorm_ref(x, residual, *norm)
+    return torch.nn.functional.linear(x, weight, bias), new_residual
 
 # %% ../nbs/06_fused.ipynb #24c0d4ed
 @triton.jit

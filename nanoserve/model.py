@@ -17,7 +17,8 @@ from torch import nn
 # %% auto #0
 __all__ = ['ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata',
            'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'linear',
-           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
+           'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict',
+           'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -241,6 +242,19 @@ def linear(layer: nn.Module, x: torch.Tensor, row_gemv: bool = False, pdl: bool 
     return layer(x)
 
 
+def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                row_gemv: bool = False, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(layer(norm(x + residual)), x + residual)` (no residual: `x` is the new one). Where `gemv` fits and the norm
+    is fused, one `gemv` that normalises its own input (the fused-kernels chapter's `NORM_IN_GEMV`)."""
+    if row_gemv and norm.fused and _gemv_fits(layer, x):
+        from nanoserve import fused
+        if fused.NORM_IN_GEMV:
+            return fused.gemv(x, layer.weight, layer.bias, pdl=pdl, norm=(norm.weight, norm.eps), residual=residual)
+    if residual is None: residual, x = x, norm(x)
+    else: x, residual = norm(x, residual)
+    return linear(layer, x, row_gemv, pdl), residual
+
+
 class Qwen2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -253,8 +267,12 @@ class Qwen2Attention(nn.Module):
         self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
-        T = x.shape[0]
         qkv = linear(self.qkv_proj, x, self.row_gemv, self.pdl)                    # [T, (H+2KVH)*D]
+        return self.attend(qkv, cos, sin, k_cache, v_cache, meta, attn_fn)
+
+    def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
+        "Attention and the output projection, from the QKV projection's output."
+        T = qkv.shape[0]
         out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale,
                       pdl=self.pdl)                                                 # [T, H, D]
         return linear(self.o_proj, out.view(T, self.q_size), self.row_gemv, self.pdl)   # [T, hidden]
@@ -270,13 +288,16 @@ class Qwen2MLP(nn.Module):
         self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
     def forward(self, x):
+        return self.down(linear(self.gate_up_proj, x, self.fused and self.row_gemv, self.pdl))   # [T, 2I] in
+
+    def down(self, gate_up):
+        "SiLU(gate) x up and the down projection, from the gate/up projection's output."
         if self.fused:
             from nanoserve.fused import gemv, silu_mul
-            gate_up = linear(self.gate_up_proj, x, self.row_gemv, self.pdl)
             if self.row_gemv and _gemv_fits(self.down_proj, gate_up):
                 return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=self.pdl)
             return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -289,11 +310,12 @@ class Qwen2DecoderLayer(nn.Module):
         self.mlp = Qwen2MLP(cfg)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, attn_fn):
-        if residual is None: residual, x = x, self.input_layernorm(x)
-        else: x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, k_cache, v_cache, meta, attn_fn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        a, m = self.self_attn, self.mlp
+        qkv, residual = norm_linear(self.input_layernorm, a.qkv_proj, x, residual, a.row_gemv, a.pdl)
+        x = a.attend(qkv, cos, sin, k_cache, v_cache, meta, attn_fn)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, m.gate_up_proj, x, residual,
+                                        m.fused and m.row_gemv, m.pdl)
+        return m.down(gate_up), residual
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -3,6 +3,7 @@ ptxas, no GPU): the interpreter runs their arithmetic in the notebooks, but not 
 fails to compile would reach the H200 first."""
 import json
 
+import pytest
 from helpers import compiled_run
 
 STEP_KERNELS = r"""
@@ -40,17 +41,41 @@ out["argmax_rows"] = {"atom": ptx.count("atom.global"), "st": ptx.count("st.glob
 ptx = compile_ptx(F.copy_rows_kernel, {"dst_ptr": "*i64", "dst_rows_ptr": "*i64", "src_ptr": "*i64",
                                        "src_rows_ptr": "*i64"}, {"n": "i32"}, dict(BLOCK=256))
 out["copy_rows"] = {"st": ptx.count("st.global")}
+gptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "new_res_ptr", "norm_w_ptr")}
+gptrs.update(part_ptr="*fp32", counter_ptr="*i32")
+gints = {"N": "i32", "K": "i32", "tiles_per_split": "i32", "stride_wn": "i32", "eps": "fp32"}
+for norm in (False, True):          # the 0.5B QKV (one 1024-wide K tile) and gate/up (four of 256) projections
+    for layer, blocks, warps in (("qkv", dict(BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=True), 4),
+                                 ("gate_up", dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False), 8)):
+        ptx = compile_ptx(F.gemv_kernel, gptrs, gints, dict(ACT=False, SPLIT=False, EVEN=False, NORM=norm,
+                                                            HAS_RESIDUAL=norm, PDL=True, **blocks), warps)
+        out[f"gemv {layer} norm={norm}"] = {"st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
+                                            "sqrt": ptx.count("sqrt.")}
 print(json.dumps(out))
 """
 
 
-def test_step_kernels_compile_for_hopper():
+@pytest.fixture(scope="module")
+def k():
+    "What the compiled kernels' PTX holds, compiled once for both tests."
+    return json.loads(compiled_run(STEP_KERNELS, 900).strip().splitlines()[-1])
+
+
+def test_step_kernels_compile_for_hopper(k):
     """The decode kernel with RoPE and the cache write inside (`ROPE`), `argmax_rows` and `copy_rows` compile for
     sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
     writes, before its threads read the tile), and keeps waiting for the kernel before it."""
-    k = json.loads(compiled_run(STEP_KERNELS, 900).strip().splitlines()[-1])
     plain, rope = k["decode rope=False"], k["decode rope=True"]
     assert rope["bar"] == plain["bar"] + 1 and rope["st"] > plain["st"]
     assert rope["gdc"] == plain["gdc"] == 1
     assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
     assert k["copy_rows"]["st"] >= 1
+
+
+def test_gemv_with_norm_compiles_for_hopper(k):
+    """`gemv` with the RMSNorm taken in (`NORM`, after a residual) compiles for sm_90 for the 0.5B QKV and gate/up
+    projections: it adds the new residual's store and a square root, and still waits for the kernel before it."""
+    for layer in ("qkv", "gate_up"):
+        plain, norm = k[f"gemv {layer} norm=False"], k[f"gemv {layer} norm=True"]
+        assert norm["st"] > plain["st"] and norm["sqrt"] > plain["sqrt"] == 0, (layer, plain, norm)
+        assert norm["gdc"] == plain["gdc"] == 1
