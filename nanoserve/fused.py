@@ -54,7 +54,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         r = residual if residual is not None else x
         add_rmsnorm_kernel[(T,)](x, r, weight, out, new_residual, eps, x.stride(0), r.stride(0), out.stride(0),
                                  new_residual.stride(0), HIDDEN=H, BLOCK=triton.next_power_of_2(H),
-                                 HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
+                                 HAS_RESIDUAL=residual is not None, ROW=triton.next_power_of_2(K) if norm is not None else 1, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out if residual is None else (out, new_residual)
 
 
@@ -160,21 +160,16 @@ def _load_k(ptr, kk, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, num_tiles, eps, store, BLOCK_K: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
-    """1 / RMS of the whole row `x` (+ `res`, the sum rounded as `add_rmsnorm` rounds it); where `store`, the sum is
-    also written to `new_res` (the new residual)."""
-    k = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for t in range(0, num_tiles):
-        kk = t * BLOCK_K + k
-        s = _load_k(x_ptr, kk, K, EVEN)
-        if HAS_RESIDUAL:
-            s = (s + _load_k(res_ptr, kk, K, EVEN)).to(x_ptr.dtype.element_ty)
-            tl.store(new_res_ptr + kk, s, mask=(kk < K) & store)
-            s = s.to(tl.float32)
-        ss += s * s
-    return 1.0 / tl.sqrt(_sum_last(ss, 0) / K + eps)
+def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """1 / RMS of the whole row `x` (+ `res`, the sum rounded as `add_rmsnorm` rounds it), loaded at once (`ROW` >= K
+    wide: one round trip to L2, not one per K tile); where `store`, the sum is also written to `new_res`."""
+    cols = tl.arange(0, ROW)
+    s = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        s = (s + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + cols, s, mask=(cols < K) & store)
+        s = s.to(tl.float32)
+    return 1.0 / tl.sqrt(_sum_last(s * s, 0) / K + eps)
 
 
 @triton.jit
@@ -200,7 +195,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
                 res_ptr, new_res_ptr, norm_w_ptr, eps,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr = False,
-                HAS_RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
+                HAS_RESIDUAL: tl.constexpr = False, ROW: tl.constexpr = 1, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -214,8 +209,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
     rstd = 1.0
     if NORM:                                    # every program normalises the whole row; the first stores the sum
-        rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, K, num_tiles, eps, (pid_n == 0) & (pid_k == 0), BLOCK_K,
-                         HAS_RESIDUAL, EVEN)
+        rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, (pid_n == 0) & (pid_k == 0), ROW, HAS_RESIDUAL)
     acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :]
     for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
@@ -296,7 +290,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_RESIDUAL=residual is not None, ROW=triton.next_power_of_2(K) if norm is not None else 1, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_options(pdl))
     return out if norm is None else (out, new_residual)
 

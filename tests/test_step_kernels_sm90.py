@@ -48,7 +48,7 @@ for norm in (False, True):          # the 0.5B QKV (one 1024-wide K tile) and ga
     for layer, blocks, warps in (("qkv", dict(BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=True), 4),
                                  ("gate_up", dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False), 8)):
         ptx = compile_ptx(F.gemv_kernel, gptrs, gints, dict(ACT=False, SPLIT=False, EVEN=False, NORM=norm,
-                                                            HAS_RESIDUAL=norm, PDL=True, **blocks), warps)
+                                                            HAS_RESIDUAL=norm, ROW=1024, PDL=True, **blocks), warps)
         out[f"gemv {layer} norm={norm}"] = {"st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
                                             "sqrt": ptx.count("sqrt.")}
 print(json.dumps(out))
