@@ -54,7 +54,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         r = residual if residual is not None else x
         add_rmsnorm_kernel[(T,)](x, r, weight, out, new_residual, eps, x.stride(0), r.stride(0), out.stride(0),
                                  new_residual.stride(0), HIDDEN=H, BLOCK=triton.next_power_of_2(H),
-                                 HAS_RESIDUAL=residual is not None, ROW=triton.next_power_of_2(K) if norm is not None else 1, PDL=pdl, num_warps=4, **launch_options(pdl))
+                                 HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out if residual is None else (out, new_residual)
 
 
@@ -290,7 +290,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, ROW=triton.next_power_of_2(K) if norm is not None else 1, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_RESIDUAL=residual is not None, ROW=triton.next_power_of_2(K) if norm is not None else 1, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_options(pdl))
     return out if norm is None else (out, new_residual)
 
