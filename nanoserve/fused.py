@@ -173,6 +173,15 @@ def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW: tl.constexpr, HAS
 
 
 @triton.jit
+def _normed(x, r, nw, rstd, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    "RMSNorm's output from loaded fp32 values: (x + r) * rstd * nw, rounded to `dtype` where `add_rmsnorm` rounds."
+    if HAS_RESIDUAL:
+        x = (x + r).to(dtype).to(tl.float32)
+    x = (x * rstd).to(dtype).to(tl.float32)
+    return (x * nw).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr, res_ptr, norm_w_ptr, rstd, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr):
     """The `[BLOCK_K]` inputs in fp32; with `ACT`, silu(gate) * up of the `[1, 2K]` row, rounded as `silu_mul` rounds;
@@ -183,10 +192,10 @@ def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr, res_ptr, n
         x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
         x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     if NORM:
+        r = x
         if HAS_RESIDUAL:
-            x = (x + _load_k(res_ptr, kk, K, EVEN)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (x * _load_k(norm_w_ptr, kk, K, EVEN)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            r = _load_k(res_ptr, kk, K, EVEN)
+        x = _normed(x, r, _load_k(norm_w_ptr, kk, K, EVEN), rstd, x_ptr.dtype.element_ty, HAS_RESIDUAL)
     return x
 
 
@@ -206,11 +215,20 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
     w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
-    pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
     rstd = 1.0
-    if NORM:                                    # every program normalises the whole row; the first stores the sum
+    if NORM:
+        nw = _load_k(norm_w_ptr, kk, K, EVEN)   # a weight too
+        pdl_wait(PDL)
+        x = _load_k(x_ptr, kk, K, EVEN)         # the first tile's inputs in flight with the whole row's, so that
+        r = x                                   # the norm's reduction is the only step added before the products
+        if HAS_RESIDUAL:
+            r = _load_k(res_ptr, kk, K, EVEN)
+        # every program normalises the whole row; the first also stores the new residual
         rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, (pid_n == 0) & (pid_k == 0), ROW, HAS_RESIDUAL)
-    acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :]
+        acc = w * _normed(x, r, nw, rstd, x_ptr.dtype.element_ty, HAS_RESIDUAL)[None, :]
+    else:
+        pdl_wait(PDL)                           # the first weight tile is in flight; the inputs are not ready before
+        acc = w * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :]
     for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
         acc += (_gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)
