@@ -119,7 +119,8 @@ def patched(cname: str):
     with_words(not cname.endswith("no words"))
     with_int4_table(cname.endswith("int4 table"))
     with_pairs(not cname.endswith("no pairs"))
-    import nanoserve.attention as A, nanoserve.engine as E, nanoserve.fused as F
+    import nanoserve.attention as A, nanoserve.engine as E, nanoserve.fused as F, nanoserve.graphs as GR
+    GR.FP32_LOGITS = "fp32 logits" in cname               # the control: an fp32 logits buffer, the LM head cast in
     A.ROPE_IN_DECODE = "rope_cache" not in cname          # the control: `rope_cache` before the decode kernel
     E.FAST_ARGMAX = "torch argmax" not in cname           # the control: torch's argmax in the sampler
     F.NORM_IN_GEMV = "norm kernel" not in cname           # the control: `add_rmsnorm`'s own launch before `gemv`
@@ -327,15 +328,15 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
 
 def batch1_parity(model_dir, prompts):
     """Greedy tokens at batch 1 (one sequence at a time: every decode step takes the one-row path), the defaults
-    against enforce_eager (fp32) and against the norm in its own kernel (fp32 and bf16)."""
+    against enforce_eager (fp32) and against the norm in its own kernel with fp32 logits (fp32 and bf16)."""
     sp = G.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     out = {}
     for dtype in ("float32", "bfloat16"):
         toks = {}
         for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
-                         ("defaults", {}), ("norm kernel", {})):
+                         ("defaults", {}), ("norm kernel, fp32 logits", {})):
             if name == "eager" and dtype == "bfloat16": continue
-            patched(name if name == "norm kernel" else "defaults")
+            patched(name if name != "eager" else "defaults")
             llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw)
             toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
             del llm; torch.cuda.empty_cache()
@@ -666,8 +667,8 @@ def main():
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
                          "splits4/splits8 (the decode kernel's splits fixed)")
-    ap.add_argument("--before", default="norm kernel",
-                    help="ab, ab1, ab7b: the configuration the defaults are timed against")
+    ap.add_argument("--before", default="norm kernel, fp32 logits",
+                    help="ab, ab7b: the configuration the defaults are timed against; ab1: a ';' list of them")
     args = ap.parse_args()
     res = {"meta": run_meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
@@ -681,7 +682,8 @@ def main():
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {}),
              "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
-             "both": ("rope_cache, torch argmax", {}), "norm": ("norm kernel", {})}
+             "both": ("rope_cache, torch argmax", {}), "norm": ("norm kernel", {}),
+             "logits": ("fp32 logits", {}), "round7": ("norm kernel, fp32 logits", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
@@ -693,9 +695,10 @@ def main():
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
              "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=6, prompt_lens=(128, 2000),
-                                       before=args.before),
-             "ab1": lambda: interleaved(d05, res, "0.5B", batches=(1,), rounds=10, before=args.before),
-             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3, before=args.before),
+                                       before=args.before.split(";")[0]),
+             "ab1": lambda: [interleaved(d05, res, "0.5B", batches=(1,), rounds=10, before=b)
+                             for b in args.before.split(";")],
+             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3, before=args.before.split(";")[0]),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),

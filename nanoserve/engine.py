@@ -111,7 +111,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    "One token id per row of `logits` [S, V] (fp32)."
+    "One token id per row of `logits` [S, V] (fp32, or the model's dtype: scaled in fp32, the argmax as they are)."
     greedy = _argmax(logits)
     if m.all_greedy: return greedy
     S, V = logits.shape

@@ -15,7 +15,8 @@ import torch
 from .model import AttentionMetadata, Qwen2ForCausalLM
 
 # %% auto #0
-__all__ = ['graph_batch_sizes', 'pick_bucket', 'capture_graphs', 'apply_feed', 'DecodeGraphs', 'graph_token_sizes', 'MixedGraphs']
+__all__ = ['FP32_LOGITS', 'graph_batch_sizes', 'pick_bucket', 'capture_graphs', 'apply_feed', 'logits_buffer', 'DecodeGraphs',
+           'graph_token_sizes', 'MixedGraphs']
 
 # %% ../nbs/06b_cuda_graphs.ipynb #4237be43
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -67,6 +68,18 @@ def apply_feed(input_ids: torch.Tensor, feed: tuple) -> None:
         input_ids.index_copy_(0, rows, samples.index_select(0, which))
 
 # %% ../nbs/06b_cuda_graphs.ipynb #4ce833d6
+# The graphs' logits are in the model's dtype, written by the LM head itself (`compute_logits(out=)`): the sampler
+# takes the argmax of them as they are and scales them in fp32 where it samples. True: an fp32 buffer, the LM
+# head's output cast into it, one more kernel a step (the H200 scripts' control).
+FP32_LOGITS = False
+
+
+def logits_buffer(model: Qwen2ForCausalLM, rows: int, device: torch.device) -> torch.Tensor:
+    "A static logits buffer [rows, vocab] in the model's dtype (fp32 under `FP32_LOGITS`)."
+    dtype = torch.float32 if FP32_LOGITS else model.norm.weight.dtype
+    return torch.zeros(rows, model.config.vocab_size, dtype=dtype, device=device)
+
+
 class DecodeGraphs:
     "Decode-only steps replayed from CUDA graphs, one per batch bucket, over static input buffers."
 
@@ -82,7 +95,7 @@ class DecodeGraphs:
         self.small = torch.zeros(4, B, dtype=torch.int64, device=device)          # ids, positions, slots, ctx lens
         self.small[2].fill_(-1); self.small[3].fill_(1)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int64, device=device)  # [B, W]
-        self.logits = torch.zeros(B, cfg.vocab_size, dtype=torch.float32, device=device)      # [B, V]
+        self.logits = logits_buffer(model, B, device)                                      # [B, V]
         tile = _tile_n(block_size, cfg.head_dim)
         self.num_splits = {b: choose_num_splits(b, model.num_local_kv_heads, max_model_len, tile, num_sms(device))
                            for b in self.batch_sizes}
@@ -163,7 +176,7 @@ class MixedGraphs:
             self.inputs[T] = buf
         self.block_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int64, device=device)  # [S, W]
         S = min(self.token_sizes[-1], max_num_seqs)
-        self.logits = torch.zeros(S, cfg.vocab_size, dtype=torch.float32, device=device) if logits is None else logits
+        self.logits = logits_buffer(model, S, device) if logits is None else logits          # [S, V]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s, self.memory_bytes = 0.0, 0
         self.num_replays = 0

@@ -359,8 +359,11 @@ class Qwen2ForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        "Logits [S, vocab] in fp32 for the rows to sample (written into `out`, if given: the cast is the copy)."
+        """Logits [S, vocab] in fp32 for the rows to sample, or into `out`, if given: an `out` in the model's dtype
+        is written by the product itself (no cast, no copy), an fp32 one through the cast."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if out is not None and out.dtype == hidden.dtype and self.logits_gather is None:
+            return torch.mm(hidden, w.t(), out=out)                                          # [S, vocab]
         return self.finish_logits(F.linear(hidden, w), out)   # [S, vocab] (one rank's slice under tensor parallelism)
 
     def finish_logits(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
