@@ -326,6 +326,31 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
     del engines; torch.cuda.empty_cache()
 
 
+def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits"):
+    """nano-vllm's workload (256 requests, 100..1024 in and out, greedy, EOS ignored) on the defaults and on `before`,
+    both engines built first (the same KV cache, 36,000 blocks: no preemption), then run in alternating passes."""
+    from graphs_h200 import nanovllm_requests, timed_generate
+    reqs, sp = nanovllm_requests()
+    cname, engines = {"defaults": "defaults", "before": before}, {}
+    for name in cname:
+        patched(cname[name])
+        engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=36000, max_num_seqs=256,
+                              max_num_batched_tokens=16384)
+    tps = {n: [] for n in cname}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            patched(cname[name])
+            n, times, _ = timed_generate(llm, reqs, sp, 1, name)
+            tps[name].append(n / times[0])
+    patched("defaults")
+    med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
+    res["nanovllm_ab"] = {"before": before, "output_tokens": n, "numerator": "output tokens actually generated",
+                          "output_tokens_per_s": tps, "median": med, "ratio_defaults_over_before": med["defaults"] / med["before"],
+                          "passes_disagree": {k: max(v) > 1.15 * min(v) for k, v in tps.items()}}
+    print("nanovllm A/B", {k: [round(x) for x in v] for k, v in tps.items()}, flush=True)
+    del engines; torch.cuda.empty_cache()
+
+
 def batch1_parity(model_dir, prompts):
     """Greedy tokens at batch 1 (one sequence at a time: every decode step takes the one-row path), the defaults
     against enforce_eager (fp32) and against the norm in its own kernel with fp32 logits (fp32 and bf16)."""
@@ -698,7 +723,8 @@ def main():
                                        before=args.before.split(";")[0]),
              "ab1": lambda: [interleaved(d05, res, "0.5B", batches=(1,), rounds=10, before=b)
                              for b in args.before.split(";")],
-             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3, before=args.before.split(";")[0]),
+             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3,
+                                         before=args.before.split(";")[0]),
              "profile": lambda: profile(d05, res, configs=both),
              "parity": lambda: parity(d05, res),
              "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),
@@ -709,6 +735,7 @@ def main():
              "profile1": lambda: profile(d05, res),
              "profileb1": lambda: profile(d05, res, batches=(1,), configs=both),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
+             "nanovllm_ab": lambda: nanovllm_ab(d05, res),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
