@@ -351,6 +351,36 @@ def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits"):
     del engines; torch.cuda.empty_cache()
 
 
+def logits_micro(res, reps=50):
+    """The LM head and greedy argmax of the 0.5B shape at 1, 16, 64 and 256 rows, each way round: bf16 logits written
+    by the product (`torch.mm(out=)`, the defaults) against `F.linear` cast into an fp32 buffer (the control); us per
+    call from CUDA events over `reps` calls, each way timed twice, alternating."""
+    from nanoserve.engine import _argmax
+    torch.manual_seed(3)
+    V, H = 151936, 896
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    rows = []
+    for B in (1, 16, 64, 256):
+        hid = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
+        buf16 = torch.empty(B, V, device="cuda", dtype=torch.bfloat16)
+        buf32 = torch.empty(B, V, device="cuda", dtype=torch.float32)
+        ways = {"bf16 logits": lambda: _argmax(torch.mm(hid, w.t(), out=buf16)),
+                "fp32 logits": lambda: _argmax(buf32.copy_(torch.nn.functional.linear(hid, w)))}
+        assert torch.equal(ways["bf16 logits"](), ways["fp32 logits"]())
+        us = {k: [] for k in ways}
+        for _ in range(2):
+            for k, f in ways.items():
+                for _ in range(5): f()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps): f()
+                b.record(); torch.cuda.synchronize()
+                us[k].append(a.elapsed_time(b) * 1e3 / reps)
+        rows.append({"rows": B, "us": us})
+        print("logits", B, {k: [round(x, 1) for x in v] for k, v in us.items()}, flush=True)
+    res["logits_micro"] = rows
+
+
 def batch1_parity(model_dir, prompts):
     """Greedy tokens at batch 1 (one sequence at a time: every decode step takes the one-row path), the defaults
     against enforce_eager (fp32) and against the norm in its own kernel with fp32 logits (fp32 and bf16)."""
@@ -735,7 +765,8 @@ def main():
              "profile1": lambda: profile(d05, res),
              "profileb1": lambda: profile(d05, res, batches=(1,), configs=both),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
-             "nanovllm_ab": lambda: nanovllm_ab(d05, res),
+             "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=4),
+             "logits": lambda: logits_micro(res),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
