@@ -328,7 +328,8 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
 
 def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits"):
     """nano-vllm's workload (256 requests, 100..1024 in and out, greedy, EOS ignored) on the defaults and on `before`,
-    both engines built first (the same KV cache, 36,000 blocks: no preemption), then run in alternating passes."""
+    both engines built first (the same KV cache, 36,000 blocks: no preemption), then run in alternating passes, the
+    order swapped every round (ABBAAB...)."""
     from graphs_h200 import nanovllm_requests, timed_generate
     reqs, sp = nanovllm_requests()
     cname, engines = {"defaults": "defaults", "before": before}, {}
@@ -337,8 +338,8 @@ def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits"):
         engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=36000, max_num_seqs=256,
                               max_num_batched_tokens=16384)
     tps = {n: [] for n in cname}
-    for _ in range(rounds):
-        for name, llm in engines.items():
+    for i in range(rounds):                                    # ABBA...: neither always runs first
+        for name, llm in (engines.items() if i % 2 == 0 else reversed(engines.items())):
             patched(cname[name])
             n, times, _ = timed_generate(llm, reqs, sp, 1, name)
             tps[name].append(n / times[0])
@@ -765,7 +766,7 @@ def main():
              "profile1": lambda: profile(d05, res),
              "profileb1": lambda: profile(d05, res, batches=(1,), configs=both),
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
-             "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=4),
+             "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=6),
              "logits": lambda: logits_micro(res),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
