@@ -326,29 +326,31 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
     del engines; torch.cuda.empty_cache()
 
 
-def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits"):
+def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits", before_first=False, key="nanovllm_ab"):
     """nano-vllm's workload (256 requests, 100..1024 in and out, greedy, EOS ignored) on the defaults and on `before`,
     both engines built first (the same KV cache, 36,000 blocks: no preemption), then run in alternating passes, the
     order swapped every round (ABBAAB...)."""
     from graphs_h200 import nanovllm_requests, timed_generate
     reqs, sp = nanovllm_requests()
     cname, engines = {"defaults": "defaults", "before": before}, {}
-    for name in cname:
+    for name in (reversed(list(cname)) if before_first else cname):          # `before_first`: built first
         patched(cname[name])
         engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=36000, max_num_seqs=256,
                               max_num_batched_tokens=16384)
     tps = {n: [] for n in cname}
     for i in range(rounds):                                    # ABBA...: neither always runs first
-        for name, llm in (engines.items() if i % 2 == 0 else reversed(engines.items())):
+        for name in (list(cname) if i % 2 == 0 else list(reversed(cname))):
+            llm = engines[name]
             patched(cname[name])
             n, times, _ = timed_generate(llm, reqs, sp, 1, name)
             tps[name].append(n / times[0])
     patched("defaults")
     med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
-    res["nanovllm_ab"] = {"before": before, "output_tokens": n, "numerator": "output tokens actually generated",
-                          "output_tokens_per_s": tps, "median": med, "ratio_defaults_over_before": med["defaults"] / med["before"],
-                          "passes_disagree": {k: max(v) > 1.15 * min(v) for k, v in tps.items()}}
-    print("nanovllm A/B", {k: [round(x) for x in v] for k, v in tps.items()}, flush=True)
+    res[key] = {"before": before, "before_built_first": before_first, "output_tokens": n,
+                "numerator": "output tokens actually generated", "output_tokens_per_s": tps, "median": med,
+                "ratio_defaults_over_before": med["defaults"] / med["before"],
+                "passes_disagree": {k: max(v) > 1.15 * min(v) for k, v in tps.items()}}
+    print("nanovllm A/B", before, {k: [round(x) for x in v] for k, v in tps.items()}, flush=True)
     del engines; torch.cuda.empty_cache()
 
 
@@ -768,6 +770,9 @@ def main():
              "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
              "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=6),
              "logits": lambda: logits_micro(res),
+             "nanovllm_ab2": lambda: (nanovllm_ab(d05, res, rounds=4, before="fp32 logits", before_first=True,
+                                                  key="nanovllm_ab_logits"),
+                                      nanovllm_ab(d05, res, rounds=4, before="norm kernel", key="nanovllm_ab_norm")),
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
