@@ -121,6 +121,7 @@ def patched(cname: str):
     with_pairs(not cname.endswith("no pairs"))
     import nanoserve.attention as A, nanoserve.engine as E, nanoserve.fused as F, nanoserve.graphs as GR
     GR.FP32_LOGITS = "fp32 logits" in cname               # the control: an fp32 logits buffer, the LM head cast in
+    GR.LOAD_STEP_KERNEL = "loads apart" not in cname      # the control: two copies and `apply_feed` before a graph
     A.ROPE_IN_DECODE = "rope_cache" not in cname          # the control: `rope_cache` before the decode kernel
     E.FAST_ARGMAX = "torch argmax" not in cname           # the control: torch's argmax in the sampler
     F.NORM_IN_GEMV = "norm kernel" not in cname           # the control: `add_rmsnorm`'s own launch before `gemv`
@@ -386,13 +387,13 @@ def logits_micro(res, reps=50):
 
 def batch1_parity(model_dir, prompts):
     """Greedy tokens at batch 1 (one sequence at a time: every decode step takes the one-row path), the defaults
-    against enforce_eager (fp32) and against the norm in its own kernel with fp32 logits (fp32 and bf16)."""
+    against enforce_eager (fp32) and against the seventh round's control (fp32 and bf16)."""
     sp = G.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     out = {}
     for dtype in ("float32", "bfloat16"):
         toks = {}
         for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
-                         ("defaults", {}), ("norm kernel, fp32 logits", {})):
+                         ("defaults", {}), ("norm kernel, fp32 logits, loads apart", {})):
             if name == "eager" and dtype == "bfloat16": continue
             patched(name if name != "eager" else "defaults")
             llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw)
@@ -741,7 +742,8 @@ def main():
              "splits4": ("splits 4", {}), "splits8": ("splits 8", {}),
              "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
              "both": ("rope_cache, torch argmax", {}), "norm": ("norm kernel", {}),
-             "logits": ("fp32 logits", {}), "round7": ("norm kernel, fp32 logits", {})}
+             "logits": ("fp32 logits", {}), "round7": ("norm kernel, fp32 logits", {}),
+             "loads": ("loads apart", {}), "round7b": ("norm kernel, fp32 logits, loads apart", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
         ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
@@ -756,6 +758,8 @@ def main():
                                        before=args.before.split(";")[0]),
              "ab1": lambda: [interleaved(d05, res, "0.5B", batches=(1,), rounds=10, before=b)
                              for b in args.before.split(";")],
+             "ab1long": lambda: [interleaved(d05, res, "0.5B", batches=(1,), rounds=20, before=b)
+                                 for b in args.before.split(";")],
              "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3,
                                          before=args.before.split(";")[0]),
              "profile": lambda: profile(d05, res, configs=both),

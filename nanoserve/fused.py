@@ -20,7 +20,7 @@ from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_
 # %% auto #0
 __all__ = ['NORM_IN_GEMV', 'GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul',
            'silu_mul_ref', 'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref',
-           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows']
+           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
@@ -395,3 +395,44 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
         raise ValueError("copy_rows: 1-D dst and src of one dtype, and as many destination rows as source rows")
     n = dst_rows.numel()
     if n: copy_rows_kernel[(triton.cdiv(n, 256),)](dst, dst_rows, src, src_rows, n, BLOCK=256, num_warps=4)
+
+# %% ../nbs/06_fused.ipynb #10bd019f
+@triton.jit
+def load_step_kernel(packed_ptr, small_ptr, tables_ptr, feed_rows_ptr, samples_ptr, which_ptr, bucket, width,
+                     stride_small, stride_tables, num_feeds, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if pid == 0:                                   # the step's integers [4, bucket], then the feed over the ids
+        for start in range(0, 4 * bucket, BLOCK):
+            i = start + offs
+            m = i < 4 * bucket
+            tl.store(small_ptr + (i // bucket) * stride_small + i % bucket, tl.load(packed_ptr + i, mask=m), mask=m)
+        tl.debug_barrier()                         # every thread's ids are written before any is fed over
+        for start in range(0, num_feeds, BLOCK):
+            j = start + offs
+            m = j < num_feeds
+            rows = tl.load(feed_rows_ptr + j, mask=m, other=0)
+            which = tl.load(which_ptr + j, mask=m, other=0)
+            tl.store(small_ptr + rows, tl.load(samples_ptr + which, mask=m), mask=m)
+    else:                                          # block-table row pid - 1
+        row = pid - 1
+        for start in range(0, width, BLOCK):
+            c = start + offs
+            m = c < width
+            v = tl.load(packed_ptr + 4 * bucket + row * width + c, mask=m)
+            tl.store(tables_ptr + row * stride_tables + c, v, mask=m)
+
+
+def load_step(small: torch.Tensor, tables: torch.Tensor, packed: torch.Tensor, bucket: int, width: int,
+              feed: tuple | None = None) -> None:
+    """small[:, :bucket] = packed[:4 bucket], tables[:bucket, :width] = the next bucket x width of `packed`, then
+    small[0][rows] = samples[which] for `feed` = (rows, samples, which): one launch."""
+    if small.dim() != 2 or small.shape[0] != 4 or bucket > small.shape[1] or bucket > tables.shape[0] \
+            or width > tables.shape[1] or packed.numel() < 4 * bucket + bucket * width:
+        raise ValueError(f"load_step: a step of {bucket} rows and {width} table entries does not fit these buffers")
+    if len({small.dtype, tables.dtype, packed.dtype}) != 1 or small.stride(1) != 1 or tables.stride(1) != 1:
+        raise ValueError("load_step: buffers of one dtype, contiguous along their rows")
+    rows, samples, which = feed if feed is not None else (packed, packed, packed)
+    if samples.dtype != small.dtype: raise ValueError("load_step: the fed samples must have the buffers' dtype")
+    load_step_kernel[(1 + bucket,)](packed, small, tables, rows, samples, which, bucket, width, small.stride(0),
+                                    tables.stride(0), rows.numel() if feed is not None else 0, BLOCK=256, num_warps=4)

@@ -15,8 +15,8 @@ import torch
 from .model import AttentionMetadata, Qwen2ForCausalLM
 
 # %% auto #0
-__all__ = ['FP32_LOGITS', 'graph_batch_sizes', 'pick_bucket', 'capture_graphs', 'apply_feed', 'logits_buffer', 'DecodeGraphs',
-           'graph_token_sizes', 'MixedGraphs']
+__all__ = ['FP32_LOGITS', 'LOAD_STEP_KERNEL', 'graph_batch_sizes', 'pick_bucket', 'capture_graphs', 'apply_feed', 'logits_buffer',
+           'DecodeGraphs', 'graph_token_sizes', 'MixedGraphs']
 
 # %% ../nbs/06b_cuda_graphs.ipynb #4237be43
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -73,6 +73,10 @@ def apply_feed(input_ids: torch.Tensor, feed: tuple) -> None:
 # head's output cast into it, one more kernel a step (the H200 scripts' control).
 FP32_LOGITS = False
 
+# On a GPU a decode step's loads (its integers, its block tables) and its feed are one launch, the fused-kernels
+# chapter's `load_step`. False: two copies and `apply_feed` (the H200 scripts' control).
+LOAD_STEP_KERNEL = True
+
 
 def logits_buffer(model: Qwen2ForCausalLM, rows: int, device: torch.device) -> torch.Tensor:
     "A static logits buffer [rows, vocab] in the model's dtype (fp32 under `FP32_LOGITS`)."
@@ -96,6 +100,7 @@ class DecodeGraphs:
         self.small[2].fill_(-1); self.small[3].fill_(1)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int64, device=device)  # [B, W]
         self.logits = logits_buffer(model, B, device)                                      # [B, V]
+        self.load_step_kernel = LOAD_STEP_KERNEL and device.type == "cuda"      # loads and feed in one launch
         tile = _tile_n(block_size, cfg.head_dim)
         self.num_splits = {b: choose_num_splits(b, model.num_local_kv_heads, max_model_len, tile, num_sms(device))
                            for b in self.batch_sizes}
@@ -132,8 +137,12 @@ class DecodeGraphs:
         """Load a step and replay its bucket's graph (or run it, without capture); logits [num_seqs, vocab].
         `feed` (rows, samples, which; `apply_feed`) overwrites input tokens the host did not know yet; `start`,
         a CUDA event, is recorded once the inputs are loaded, just before the forward pass."""
-        self.load(packed, bucket, width)
-        if feed is not None: apply_feed(self.small[0], feed)
+        if self.load_step_kernel:
+            from nanoserve.fused import load_step
+            load_step(self.small, self.block_tables, packed, bucket, width, feed)     # the three below in one launch
+        else:
+            self.load(packed, bucket, width)
+            if feed is not None: apply_feed(self.small[0], feed)
         if start is not None: start.record()
         if self.graphs: self.graphs[bucket].replay()
         else: self._forward(bucket)

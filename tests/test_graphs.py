@@ -105,3 +105,23 @@ def test_compile_kernels_runs_every_split_variant():
     before = llm.runner.kv_cache.clone()
     llm.runner.compile_kernels()
     assert torch.equal(llm.runner.kv_cache, before)
+
+
+def test_one_launch_load_gives_the_eager_tokens(monkeypatch):
+    """`load_step` (the step's integers, block tables and feed in one kernel; on by default on a GPU) forced on the
+    CPU through the interpreter: the static-buffer path still gives the eager tokens, and it was the path taken."""
+    import nanoserve.fused as fused
+    calls = []
+    real_init, real_load_step = DecodeGraphs.__init__, fused.load_step
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        self.load_step_kernel = True
+    def counting(*a, **k):
+        calls.append(a[5] is not None if len(a) > 5 else k.get("feed") is not None)
+        return real_load_step(*a, **k)
+    monkeypatch.setattr(DecodeGraphs, "__init__", init)
+    monkeypatch.setattr(fused, "load_step", counting)
+    eager, _ = _tokens(False)
+    padded, replays = _tokens(True)
+    assert padded == eager
+    assert len(calls) == replays > 10 and any(calls)          # every replay loaded by it, some with a feed

@@ -51,6 +51,10 @@ for norm in (False, True):          # the 0.5B QKV (one 1024-wide K tile) and ga
                                                             HAS_RESIDUAL=norm, ROW=1024, PDL=True, **blocks), warps)
         out[f"gemv {layer} norm={norm}"] = {"st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
                                             "sqrt": ptx.count("sqrt.")}
+ptx = compile_ptx(F.load_step_kernel, {n: "*i64" for n in ("packed_ptr", "small_ptr", "tables_ptr", "feed_rows_ptr",
+                                                          "samples_ptr", "which_ptr")},
+                  {n: "i32" for n in ("bucket", "width", "stride_small", "stride_tables", "num_feeds")}, dict(BLOCK=256))
+out["load_step"] = {"st": ptx.count("st.global"), "bar": ptx.count("bar.sync")}
 print(json.dumps(out))
 """
 
@@ -62,14 +66,15 @@ def k():
 
 
 def test_step_kernels_compile_for_hopper(k):
-    """The decode kernel with RoPE and the cache write inside (`ROPE`), `argmax_rows` and `copy_rows` compile for
-    sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
+    """The decode kernel with RoPE and the cache write inside (`ROPE`), `argmax_rows`, `copy_rows` and `load_step`
+    compile for sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
     writes, before its threads read the tile), and keeps waiting for the kernel before it."""
     plain, rope = k["decode rope=False"], k["decode rope=True"]
     assert rope["bar"] == plain["bar"] + 1 and rope["st"] > plain["st"]
     assert rope["gdc"] == plain["gdc"] == 1
     assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
     assert k["copy_rows"]["st"] >= 1
+    assert k["load_step"]["st"] >= 3 and k["load_step"]["bar"] >= 1      # integers, feed, table rows; the barrier
 
 
 def test_gemv_with_norm_compiles_for_hopper(k):
