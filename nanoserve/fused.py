@@ -325,6 +325,23 @@ def gemv_ref(x, weight, bias=None, act=False, norm=None, residual=None):
 
 # %% ../nbs/06_fused.ipynb #24c0d4ed
 @triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min2(a, b):
+    return tl.minimum(a, b)
+
+
+# `tl.max` and `tl.min` are themselves jit functions: in a process that imported triton before the interpreter flag
+# was set they cannot be called from an interpreted kernel. `tl.reduce` with Triton's own combine functions works
+# either way (the interpreter recognises them and reduces with numpy); ours if a version lacks them.
+_max_combine = getattr(tl.standard, "_elementwise_max", None) or _max2
+_min_combine = getattr(tl.standard, "_elementwise_min", None) or _min2
+
+
+@triton.jit
 def argmax_rows_kernel(x_ptr, part_val_ptr, part_idx_ptr, out_ptr, counter_ptr, V, stride_x, per_part, num_parts,
                        BLOCK: tl.constexpr, BLOCK_PARTS: tl.constexpr):
     row = tl.program_id(0)
@@ -342,8 +359,8 @@ def argmax_rows_kernel(x_ptr, part_val_ptr, part_idx_ptr, out_ptr, counter_ptr, 
         better = v > best_v                                    # strictly: a lane keeps its first index on a tie
         best_v = tl.where(better, v, best_v)
         best_i = tl.where(better, idx, best_i)
-    m = tl.max(best_v, 0)
-    i = tl.min(tl.where(best_v == m, best_i, BIG), 0)          # the first index of the maximum
+    m = tl.reduce(best_v, 0, _max_combine)
+    i = tl.reduce(tl.where(best_v == m, best_i, BIG), 0, _min_combine)          # the first index of the maximum
     if BLOCK_PARTS == 1:
         tl.store(out_ptr + row, i.to(tl.int64))
     else:
@@ -356,8 +373,8 @@ def argmax_rows_kernel(x_ptr, part_val_ptr, part_idx_ptr, out_ptr, counter_ptr, 
             pv = tl.load(part_val_ptr + row * BLOCK_PARTS + p, mask=p < num_parts, other=float("-inf"),
                          cache_modifier=".cg")
             pi = tl.load(part_idx_ptr + row * BLOCK_PARTS + p, mask=p < num_parts, other=BIG, cache_modifier=".cg")
-            pm = tl.max(pv, 0)
-            tl.store(out_ptr + row, tl.min(tl.where(pv == pm, pi, BIG), 0).to(tl.int64))
+            pm = tl.reduce(pv, 0, _max_combine)
+            tl.store(out_ptr + row, tl.reduce(tl.where(pv == pm, pi, BIG), 0, _min_combine).to(tl.int64))
             tl.atomic_xchg(c, 0)                                            # zero again for the next launch
 
 
