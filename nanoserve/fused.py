@@ -24,6 +24,15 @@ __all__ = ['NORM_IN_GEMV', 'GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 
 
 # %% ../nbs/06_fused.ipynb #0c04a0ac
 @triton.jit
+def _normed(x, r, nw, rstd, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    "RMSNorm's output from loaded fp32 values: (x + r) * rstd * nw, rounded to `dtype` where the torch path rounds."
+    if HAS_RESIDUAL:
+        x = (x + r).to(dtype).to(tl.float32)
+    x = (x * rstd).to(dtype).to(tl.float32)
+    return (x * nw).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps, stride_x, stride_r,
                        stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        PDL: tl.constexpr = False):
@@ -40,8 +49,8 @@ def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_pt
         tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
         x = s.to(tl.float32)
     var = tl.reduce(x * x, 0, _add_fn) / HIDDEN
-    normed = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = _normed(x, x, w, 1.0 / tl.sqrt(var + eps), out_ptr.dtype.element_ty, False)   # the sum is in x already
+    tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool = False):
@@ -170,15 +179,6 @@ def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW: tl.constexpr, HAS
         tl.store(new_res_ptr + cols, s, mask=(cols < K) & store)
         s = s.to(tl.float32)
     return 1.0 / tl.sqrt(_sum_last(s * s, 0) / K + eps)
-
-
-@triton.jit
-def _normed(x, r, nw, rstd, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    "RMSNorm's output from loaded fp32 values: (x + r) * rstd * nw, rounded to `dtype` where `add_rmsnorm` rounds."
-    if HAS_RESIDUAL:
-        x = (x + r).to(dtype).to(tl.float32)
-    x = (x * rstd).to(dtype).to(tl.float32)
-    return (x * nw).to(dtype).to(tl.float32)
 
 
 @triton.jit
