@@ -1,0 +1,126 @@
+"""nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024, greedy, EOS ignored) on one
+engine, with a per-step ledger of where the time went: the host's phases, the wait for the GPU, the GPU's own span.
+
+    PYTHONPATH=<tree> python kernels/nanovllm_h200.py --model DIR --label NAME --out FILE.json [--repeats 2]
+
+Written to run against any checkout of the package (PYTHONPATH picks the tree), so that two versions of the code
+can be compared on one machine, in alternating processes. Each process: build the engine (default KV sizing),
+one cold run (compiles, captures: flagged, not compared), then `--repeats` warm runs without the ledger and one with
+it. Also times the host path alone at batch 64 and 256 (schedule, sampling rows, pack, update, reports: no GPU work),
+which says how fast this machine's host is.
+"""
+import argparse, gc, json, random, sys, time, timeit
+from pathlib import Path
+
+import torch
+
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+from nanoserve.bench import WorkloadSpec, make_workload, run_meta
+from nanoserve.engine import LLM, SamplingParams, StepLedger
+from nanoserve.measure import warm_gpu
+
+
+def requests(llm, num_requests=256):
+    reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=num_requests, seed=0), llm.config.vocab_size,
+                         32768)
+    return ([list(r.prompt_token_ids) for r in reqs],
+            [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs])
+
+
+class GcClock:
+    "Seconds spent in the garbage collector while attached (gc.callbacks)."
+    def __init__(self): self.seconds, self.collections, self._t = 0.0, [0, 0, 0], None
+    def __call__(self, phase, info):
+        if phase == "start": self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t; self.collections[info["generation"]] += 1
+
+
+def run_once(llm, prompts, sp, ledger: bool):
+    clock = GcClock(); gc.callbacks.append(clock)
+    llm.ledger = StepLedger() if ledger else None
+    warm_gpu(3.0, llm.device)
+    sync(); t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    sync(); dt = time.perf_counter() - t0
+    gc.callbacks.remove(clock)
+    n = sum(len(o.token_ids) for o in outs)
+    row = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt, "ledger": ledger,
+           "gc_seconds": clock.seconds, "gc_collections": clock.collections,
+           "preemptions": sum(o.num_preemptions for o in outs)}
+    if ledger:
+        rows, row["ledger_summary"] = llm.ledger.rows, {}
+        for name, pick in (("decode", lambda r: r["decode_only"]), ("other", lambda r: not r["decode_only"]),
+                           ("decode_b>=192", lambda r: r["decode_only"] and r["num_seqs"] >= 192),
+                           ("decode_b64-191", lambda r: r["decode_only"] and 64 <= r["num_seqs"] < 192),
+                           ("decode_b<64", lambda r: r["decode_only"] and r["num_seqs"] < 64)):
+            sel = [r for r in rows if pick(r)]
+            if not sel: continue
+            s = {k: sum(r.get(k, 0.0) for r in sel) for k in
+                 ("gap", "schedule", "prepare", "h2d", "launch", "sync", "update", "gpu", "total")}
+            s["host"] = s["total"] - s["sync"]
+            s.update(steps=len(sel), seqs=sum(r["num_seqs"] for r in sel), tokens=sum(r["num_tokens"] for r in sel))
+            row["ledger_summary"][name] = s
+        llm.ledger = None
+    print(json.dumps({k: v for k, v in row.items() if k != "ledger_summary"}), flush=True)
+    if ledger:
+        for k, v in row["ledger_summary"].items():
+            print(" ", k, {a: (round(b * 1e3 / v["steps"], 3) if isinstance(b, float) else b) for a, b in v.items()},
+                  "(ms a step)", flush=True)
+    return row
+
+
+def host_path(llm_dir, batch):
+    """ms a step of the host path alone at `batch` (1,000-token prompts, graph-bucket packing, no GPU work)."""
+    llm = LLM(llm_dir, dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=16384, num_kv_blocks=20000,
+              device="cpu")
+    llm.runner.enable_graphs([b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= batch], 2048, capture=False)
+    g = random.Random(0)
+    for _ in range(batch):
+        llm.add_request([g.randrange(1000) for _ in range(1000)],
+                        SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True), stream=False)
+    sched, runner = llm.scheduler, llm.runner
+    # prefill by hand-off: mark the prompts computed without running the model
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        step = sched.schedule(); sched.update(step, [1] * len(step.sample_seq_ids))
+
+    def one():
+        step = sched.schedule(); s = llm._sampling(step); runner.pack(step, s)
+        sched.update(step, [1] * len(step.seqs)); llm._reports(step, 0.0)
+    one()
+    out = [timeit.timeit(one, number=50) / 50 * 1e3 for _ in range(3)]
+    del llm
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=256, help="fewer for a CPU smoke test")
+    ap.add_argument("--host-model", default=None, help="a small checkpoint for the host-path timing (CPU)")
+    args = ap.parse_args()
+    res = {"label": args.label, "meta": run_meta(), "package": str(Path(sys.modules["nanoserve"].__file__).parent),
+           "command": "PYTHONPATH=<tree> python kernels/nanovllm_h200.py " + " ".join(sys.argv[1:]),
+           "workload": "256 requests, prompt and output uniform 100..1024, greedy, EOS ignored, seed 0",
+           "numerator": "output tokens actually generated"}
+    if args.host_model:
+        for b in (64, 256):
+            res[f"host_path_b{b}_ms"] = host_path(args.host_model, b)
+            print("host path", b, [round(x, 3) for x in res[f"host_path_b{b}_ms"]], flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384)
+    res["build_seconds"], res["num_kv_blocks"] = time.perf_counter() - t0, llm.num_kv_blocks
+    prompts, sp = requests(llm, args.num_requests)
+    llm.generate([p[:32] for p in prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
+    res["runs"] = [dict(run_once(llm, prompts, sp, False), cold=True)]
+    res["runs"] += [run_once(llm, prompts, sp, False) for _ in range(args.repeats)]
+    res["runs"].append(run_once(llm, prompts, sp, True))
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
