@@ -2,14 +2,17 @@
 engine, with a per-step ledger of where the time went: the host's phases, the wait for the GPU, the GPU's own span.
 
     PYTHONPATH=<tree> python kernels/nanovllm_h200.py --model DIR --label NAME --out FILE.json [--repeats 2]
+        [--freeze-gc] [--keep-prefix-cache] [--host-model TINY_DIR]
 
 Written to run against any checkout of the package (PYTHONPATH picks the tree), so that two versions of the code
 can be compared on one machine, in alternating processes. Each process: build the engine (default KV sizing),
 one cold run (compiles, captures: flagged, not compared), then `--repeats` warm runs without the ledger and one with
-it. Also times the host path alone at batch 64 and 256 (schedule, sampling rows, pack, update, reports: no GPU work),
-which says how fast this machine's host is.
+it, the prefix cache emptied before each (else a rerun finds every prompt cached and skips prefill). Each run
+records its GC time and a hash of its output tokens (the same in every tree: greedy). With `--host-model`, also
+the host alone: the whole workload through a CPU engine whose runner returns at once (`host_generate`), and the
+per-step host path at batch 64 and 256: how fast this machine's host is, and the most it lets the engine reach.
 """
-import argparse, gc, json, random, sys, time, timeit
+import argparse, gc, hashlib, json, random, sys, time, timeit
 from pathlib import Path
 
 import torch
@@ -37,16 +40,21 @@ class GcClock:
             self.seconds += time.perf_counter() - self._t; self.collections[info["generation"]] += 1
 
 
-def run_once(llm, prompts, sp, ledger: bool):
+def run_once(llm, prompts, sp, ledger: bool, keep_prefix_cache: bool = False):
+    """One timed `generate` of the workload. Unless `keep_prefix_cache`, the prefix cache is emptied first, so the
+    run computes every prompt (a rerun of the same prompts would otherwise find them cached and skip prefill)."""
+    if not keep_prefix_cache: llm.block_manager.reset_prefix_cache()
     clock = GcClock(); gc.callbacks.append(clock)
     llm.ledger = StepLedger() if ledger else None
+    llm._last_step_end = None              # the first step's gap is not the warm-up
     warm_gpu(3.0, llm.device)
     sync(); t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     sync(); dt = time.perf_counter() - t0
     gc.callbacks.remove(clock)
     n = sum(len(o.token_ids) for o in outs)
-    row = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt, "ledger": ledger,
+    digest = hashlib.sha1(json.dumps([o.token_ids for o in outs]).encode()).hexdigest()[:16]
+    row = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt, "ledger": ledger, "tokens_sha1": digest,
            "gc_seconds": clock.seconds, "gc_collections": clock.collections,
            "preemptions": sum(o.num_preemptions for o in outs)}
     if ledger:
@@ -94,12 +102,42 @@ def host_path(llm_dir, batch):
     return out
 
 
+def host_generate(llm_dir, repeats=3):
+    """nano-vllm's workload through the engine's whole host path with the GPU's work taken out: a CPU engine with
+    async scheduling and decode steps packed for the CUDA-graph buckets, whose runner returns token 1 for every
+    sampled row at once. Output tokens a second of the host alone: the most the host lets the engine reach."""
+    llm = LLM(llm_dir, max_num_seqs=256, max_num_batched_tokens=16384, num_kv_blocks=40000, device="cpu",
+              async_scheduling=True)
+    llm.runner.enable_graphs([1, 2, 4, 8, 16, 32, 64, 128, 256], llm.max_model_len, capture=False)
+
+    def wait(launched, row=None):
+        if row is not None: row.update(sync=0.0, gpu=0.0)
+        return launched[0]
+    llm.runner.launch = lambda x, row=None: ([1] * x.num_sampled, None, None, 0.0)
+    llm.runner.wait = wait
+    g = random.Random(0)
+    prompts = [[g.randrange(llm.config.vocab_size) for _ in range(g.randrange(100, 1025))] for _ in range(256)]
+    sp = [SamplingParams(max_tokens=g.randrange(100, 1025), temperature=0, ignore_eos=True) for _ in range(256)]
+    out = []
+    gc.collect(); gc.freeze()             # as the engine's `freeze_gc` does (not in the old trees)
+    for _ in range(repeats):
+        llm.block_manager.reset_prefix_cache()
+        t0 = time.perf_counter(); outs = llm.generate(prompts, sp); dt = time.perf_counter() - t0
+        out.append(sum(len(o.token_ids) for o in outs) / dt)
+    gc.unfreeze()
+    del llm
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--freeze-gc", action="store_true", help="gc.collect() + gc.freeze() after the engine is built")
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="do not empty the prefix cache between runs (reruns then skip most of prefill)")
     ap.add_argument("--num-requests", type=int, default=256, help="fewer for a CPU smoke test")
     ap.add_argument("--host-model", default=None, help="a small checkpoint for the host-path timing (CPU)")
     args = ap.parse_args()
@@ -108,17 +146,24 @@ def main():
            "workload": "256 requests, prompt and output uniform 100..1024, greedy, EOS ignored, seed 0",
            "numerator": "output tokens actually generated"}
     if args.host_model:
+        res["host_generate_tok_s"] = host_generate(args.host_model)
+        print("host-only generate, tok/s", [round(x) for x in res["host_generate_tok_s"]], flush=True)
         for b in (64, 256):
             res[f"host_path_b{b}_ms"] = host_path(args.host_model, b)
             print("host path", b, [round(x, 3) for x in res[f"host_path_b{b}_ms"]], flush=True)
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384)
     res["build_seconds"], res["num_kv_blocks"] = time.perf_counter() - t0, llm.num_kv_blocks
+    res["freeze_gc"], res["keep_prefix_cache"] = args.freeze_gc, args.keep_prefix_cache
+    if args.freeze_gc:
+        gc.collect(); gc.freeze()
+        res["gc_frozen_objects"] = gc.get_freeze_count()
     prompts, sp = requests(llm, args.num_requests)
     llm.generate([p[:32] for p in prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
-    res["runs"] = [dict(run_once(llm, prompts, sp, False), cold=True)]
-    res["runs"] += [run_once(llm, prompts, sp, False) for _ in range(args.repeats)]
-    res["runs"].append(run_once(llm, prompts, sp, True))
+    keep = args.keep_prefix_cache
+    res["runs"] = [dict(run_once(llm, prompts, sp, False, keep), cold=True)]
+    res["runs"] += [run_once(llm, prompts, sp, False, keep) for _ in range(args.repeats)]
+    res["runs"].append(run_once(llm, prompts, sp, True, keep))
     Path(args.out).write_text(json.dumps(res, indent=1))
 
 

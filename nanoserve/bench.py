@@ -230,6 +230,7 @@ def run_worker(job: dict) -> dict:
     send = job.get("send_times")
     if kind.removesuffix("-eager") in ("continuous", "static"):
         kw = dict(job.get("engine_kwargs") or {})
+        kw.setdefault("freeze_gc", True)          # a worker process runs one engine: no full GC pause in a timed run
         if kind.endswith("-eager"): kw["enforce_eager"] = True
         res = run_nanoserve(job["model_dir"], requests, send, policy=kind.removesuffix("-eager"), batch_size=n,
                             engine_kwargs=kw, warmup_s=job.get("warmup_s", 3.0),

@@ -62,18 +62,24 @@ class BlockManager:
                  watermark: float = 0.01):
         self.config = CacheConfig(num_blocks, block_size, enable_prefix_caching, watermark)
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._ref_counts: list[int] = [0] * num_blocks       # block id -> how many tables hold it
+        self._block_hashes: list[bytes | None] = [None] * num_blocks   # block id -> its name once full and computed
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pops block 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()   # ref 0 but named, LRU first
         self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[int, list[int]] = {}                # seq_id -> block ids
+        self._table_arrays: dict[int, array] = {}              # the same, as int64 arrays (for packing a step)
         self._hashes: dict[int, list[bytes]] = {}              # seq_id -> hashes of its full computed blocks
         self.num_hit_tokens = 0      # prefix-cache hits, in tokens, over all allocations
         self.num_queried_tokens = 0  # prompt tokens that could have hit
 
     # -- sizes ------------------------------------------------------------------------------------------
     @property
-    def num_blocks(self) -> int: return len(self.blocks)
+    def num_blocks(self) -> int: return len(self._ref_counts)
+    @property
+    def blocks(self) -> list[Block]:
+        "A snapshot of every block's state (for tests and inspection: it builds one object per block)."
+        return [Block(i, r, h) for i, (r, h) in enumerate(zip(self._ref_counts, self._block_hashes))]
     @property
     def num_free_blocks(self) -> int:
         "Blocks that can be handed out now: the free list plus cached blocks nobody holds."
@@ -84,6 +90,9 @@ class BlockManager:
         "Blocks needed to hold `num_tokens` tokens."
         return -(-num_tokens // self.block_size)
     def block_table(self, seq_id: int) -> list[int]: return self._tables[seq_id]
+    def block_table_bytes(self, seq_id: int) -> bytes:
+        "`block_table(seq_id)` as native int64 bytes: a copy of memory, not a conversion of every id."
+        return self._table_arrays[seq_id].tobytes()
     def __contains__(self, seq_id: int) -> bool: return seq_id in self._tables
 
     # -- prefix cache lookups ---------------------------------------------------------------------------
@@ -107,7 +116,7 @@ class BlockManager:
         "Whether a sequence with these tokens can get its blocks now, leaving the watermark free if asked."
         hit_ids, _ = self._prefix_hits(token_ids)
         num_new = self.num_blocks_for(len(token_ids)) - len(hit_ids)
-        num_revived = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)  # cached blocks leave the pool
+        num_revived = sum(1 for b in hit_ids if self._ref_counts[b] == 0)  # cached blocks leave the pool
         reserve = self.config.watermark_blocks if watermark else 0
         return self.num_free_blocks - num_revived - num_new >= reserve
 
@@ -121,6 +130,7 @@ class BlockManager:
         for b in hit_ids: self._acquire(b)
         table = hit_ids + [self._take_free_block() for _ in range(self.num_blocks_for(len(token_ids)) - len(hit_ids))]
         self._tables[seq_id], self._hashes[seq_id] = table, hashes
+        self._table_arrays[seq_id] = array("q", table)
         num_cached = len(hit_ids) * self.block_size
         if self.config.enable_prefix_caching:
             self.num_hit_tokens += num_cached
@@ -138,7 +148,9 @@ class BlockManager:
         if num_new > self.num_free_blocks:
             raise RuntimeError(f"not enough free blocks to grow sequence {seq_id}: check can_append first")
         new_ids = [self._take_free_block() for _ in range(num_new)]
-        table.extend(new_ids)
+        if new_ids:
+            table.extend(new_ids)
+            self._table_arrays[seq_id].extend(new_ids)
         return new_ids
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
@@ -155,46 +167,47 @@ class BlockManager:
         for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
             parent = hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
             hashes.append(parent)
-            block = self.blocks[table[i]]
-            if block.hash is None and parent not in self._hash_to_block:
-                block.hash = parent
-                self._hash_to_block[parent] = block.block_id
+            block_id = table[i]
+            if self._block_hashes[block_id] is None and parent not in self._hash_to_block:
+                self._block_hashes[block_id] = parent
+                self._hash_to_block[parent] = block_id
                 num_named += 1
         return num_named
 
     def free(self, seq_id: int) -> None:
         "Return `seq_id`'s blocks; named ones stay cached (LRU) until their room is needed."
         table = self._tables.pop(seq_id)
+        del self._table_arrays[seq_id]
         del self._hashes[seq_id]
+        refs, names = self._ref_counts, self._block_hashes
         for block_id in reversed(table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None: self._cached[block_id] = None
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
+                if names[block_id] is not None: self._cached[block_id] = None
                 else: self._free_ids.append(block_id)
 
-    def reset_prefix_cache(self) -> None:
-        "Forget every cached block that nobody holds."
+    def reset_prefix_cache(self) -> int:
+        "Forget every cached block that nobody holds; returns how many."
+        num_forgotten = len(self._cached)
         for block_id in list(self._cached): self._evict(block_id); self._free_ids.append(block_id)
         self._cached.clear()
+        return num_forgotten
 
     # -- internals --------------------------------------------------------------------------------------
     def _acquire(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0: del self._cached[block_id]   # revive a cached block
-        block.ref_count += 1
+        if self._ref_counts[block_id] == 0: del self._cached[block_id]   # revive a cached block
+        self._ref_counts[block_id] += 1
 
     def _evict(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        del self._hash_to_block[block.hash]
-        block.hash = None
+        del self._hash_to_block[self._block_hashes[block_id]]
+        self._block_hashes[block_id] = None
 
     def _take_free_block(self) -> int:
         if self._free_ids: block_id = self._free_ids.pop()
         else:
             block_id, _ = self._cached.popitem(last=False)  # least recently used
             self._evict(block_id)
-        self.blocks[block_id].ref_count = 1
+        self._ref_counts[block_id] = 1
         return block_id
 
     # -- checking ---------------------------------------------------------------------------------------
@@ -204,10 +217,12 @@ class BlockManager:
         for seq_id, table in self._tables.items():
             assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
             assert len(self._hashes[seq_id]) <= len(table)
+            assert self._table_arrays[seq_id].tolist() == table, f"sequence {seq_id}: its int64 table differs"
             for b in table: holders[b] += 1
         free = set(self._free_ids)
         assert len(free) == len(self._free_ids), "a block is on the free list twice"
-        for block in self.blocks:
+        blocks = self.blocks
+        for block in blocks:
             b = block.block_id
             assert block.ref_count == holders[b], f"block {b}: ref_count {block.ref_count} != {holders[b]} holders"
             states = (b in free) + (b in self._cached) + (block.ref_count > 0)
@@ -215,7 +230,7 @@ class BlockManager:
             if b in free: assert block.hash is None, f"free block {b} still has a hash"
             if b in self._cached: assert block.hash is not None, f"cached block {b} has no hash"
             if block.hash is not None: assert self._hash_to_block[block.hash] == b
-        assert len(self._hash_to_block) == sum(blk.hash is not None for blk in self.blocks)
+        assert len(self._hash_to_block) == sum(blk.hash is not None for blk in blocks)
         if not self.config.enable_prefix_caching: assert not self._hash_to_block
 
     def __repr__(self):

@@ -84,7 +84,7 @@ def cmd_generate(args) -> int:
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
               quantization=args.quantization, quant_group_size=args.quant_group_size,
-              quantize_lm_head=args.quantize_lm_head)
+              quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

@@ -94,7 +94,7 @@ class Sequence:
     def is_finished(self) -> bool: return self.status is SequenceStatus.FINISHED
 
 # %% ../nbs/01_scheduler.ipynb #8eb00c21
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     "The work of one sequence in one step."
     seq_id: int
@@ -104,6 +104,7 @@ class ScheduledSeq:
     slot_mapping: list[int]    # cache slot of each new token
     sample: bool               # sample a next token after this step
     is_decode: bool = False
+    block_table_bytes: bytes | None = None   # decodes: `block_table` as int64 bytes (the runner packs these)
 
     @property
     def num_tokens(self) -> int: return len(self.token_ids)
@@ -218,6 +219,7 @@ class Scheduler:
         "Decide the next step. Raises if the previous step was not `update`d."
         if self._pending_step is not None: raise RuntimeError("update() the previous step before scheduling another")
         cfg, bm = self.config, self.block_manager
+        bs = bm.block_size
         budget, scheduled, preempted = cfg.max_num_batched_tokens, [], []
 
         # 1. running decodes, oldest first; make room by preempting the youngest
@@ -226,19 +228,20 @@ class Scheduler:
             seq = self.running[i]
             num_tokens = seq.num_tokens
             if num_tokens - seq.num_computed_tokens == 1:
-                while not bm.can_append(seq.seq_id, num_tokens):
-                    victim = self.running[-1]
-                    self._preempt(victim, for_seq=seq.seq_id)
-                    preempted.append(victim.seq_id)
-                    if victim is seq: break
-                if seq.status is not SequenceStatus.RUNNING: break   # it was the youngest: nothing after it
-                bm.append_slots(seq.seq_id, num_tokens)
+                if num_tokens > len(bm.block_table(seq.seq_id)) * bs:   # its last block is full: it needs one more
+                    while not bm.can_append(seq.seq_id, num_tokens):
+                        victim = self.running[-1]
+                        self._preempt(victim, for_seq=seq.seq_id)
+                        preempted.append(victim.seq_id)
+                        if victim is seq: break
+                    if seq.status is not SequenceStatus.RUNNING: break   # it was the youngest: nothing after it
+                    bm.append_slots(seq.seq_id, num_tokens)
                 scheduled.append(self._decode_chunk(seq, num_tokens)); budget -= 1
             i += 1
 
         # 2. running sequences still in prefill, oldest first
-        in_step = {s.seq_id for s in scheduled}
-        for seq in self.running:
+        in_step = {s.seq_id for s in scheduled} if len(scheduled) < len(self.running) else None
+        for seq in (self.running if in_step is not None else ()):   # (every running sequence decodes: none)
             if budget == 0: break
             if seq.num_uncomputed_tokens > 1 and seq.seq_id not in in_step:
                 n = min(seq.num_uncomputed_tokens, budget)
@@ -289,7 +292,7 @@ class Scheduler:
         table = self.block_manager.block_table(seq.seq_id)
         last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
         return ScheduledSeq(seq.seq_id, [last], pos, list(table), [table[pos // bs] * bs + pos % bs], sample=True,
-                            is_decode=True)
+                            is_decode=True, block_table_bytes=self.block_manager.block_table_bytes(seq.seq_id))
 
     def _admit(self, seq: Sequence) -> None:
         num_cached = self.block_manager.allocate(seq.seq_id, seq.all_token_ids)
@@ -327,23 +330,23 @@ class Scheduler:
         if step is not self._pending_step: raise ValueError("advance() must get the step that schedule() returned last")
         if self._inflight is not None: raise RuntimeError("resolve() the in-flight step before advancing another")
         self._pending_step, self._inflight = None, step
-        self._advanced = []
+        self._advanced = advanced = []     # (the loop runs for every sequence of every step: names held locally)
         self.num_steps += 1
-        bs = self.block_manager.block_size
+        bs, get_seq, running = self.block_manager.block_size, self.seqs.get, SequenceStatus.RUNNING
         for s in step.seqs:
-            placeholder = -(1 + len(self._advanced)) if s.sample else None
-            if s.sample: self._advanced.append(None)
-            seq = self.seqs.get(s.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING: continue   # aborted or stopped meanwhile
+            if s.sample: advanced.append(None)
+            seq = get_seq(s.seq_id)
+            if seq is None or seq.status is not running: continue   # aborted or stopped meanwhile
+            n, computed = len(s.token_ids), seq.num_computed_tokens
             if s.start_pos < seq.max_computed_tokens:   # computed before a preemption: this is recompute
-                seq.num_recomputed_tokens += min(s.context_len, seq.max_computed_tokens) - s.start_pos
-            if (seq.num_computed_tokens + s.num_tokens) // bs > seq.num_computed_tokens // bs:   # a block filled up
-                self.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + s.num_tokens)
-            seq.num_computed_tokens += s.num_tokens
-            seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
-            if placeholder is None: continue
-            seq.output_token_ids.append(placeholder)
-            self._advanced[-1] = seq
+                seq.num_recomputed_tokens += min(s.start_pos + n, seq.max_computed_tokens) - s.start_pos
+            if (computed + n) // bs > computed // bs:   # a block filled up
+                self.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, computed + n)
+            seq.num_computed_tokens = computed = computed + n
+            if computed > seq.max_computed_tokens: seq.max_computed_tokens = computed
+            if not s.sample: continue
+            seq.output_token_ids.append(-len(advanced))   # the placeholder -(1 + j) of the j-th sampled sequence
+            advanced[-1] = seq
             if len(seq.output_token_ids) >= seq.max_tokens:                  # done, whatever the token is
                 self.running.remove(seq)
                 self.block_manager.free(seq.seq_id)

@@ -875,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
                   pdl=False if args.no_pdl else None,
                   async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
                   show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-                  quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head)
+                  quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
         app = build_app(llm, served_model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes)
     except (ValueError, FileNotFoundError) as e:

@@ -251,7 +251,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         free_before = bm.num_free_blocks
         held_named = {b.block_id: b.hash for b in bm.blocks if b.ref_count and b.hash is not None}
-        bm.reset_prefix_cache()
+        num_unheld_named = sum(b.ref_count == 0 and b.hash is not None for b in bm.blocks)
+        assert bm.reset_prefix_cache() == num_unheld_named
         assert bm.num_free_blocks == free_before
         for b in bm.blocks:
             if b.ref_count == 0: assert b.hash is None, f"unheld block {b.block_id} still named after reset"
