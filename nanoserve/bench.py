@@ -489,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of GPU warm-up before each run")
     p.add_argument("--profile-steps", type=int, default=16,
                    help="decode steps profiled per run for kernels/step and busy share (0: none, for clean latency tails)")
-    p.add_argument("--out", default=None, help="results JSON (default: figures/data/bench_<workload>_<mode>.json)")
+    p.add_argument("--out", default=None, help="results JSON, or a folder for it (default: "
+                                                "figures/data/bench_<workload>_<mode>.json)")
     p.add_argument("--plot", action="store_true", help="also draw the standard figures next to the JSON's folder")
     p.add_argument("--endpoint", default=None, help="an OpenAI-compatible server's base URL: send the workload there")
     p.add_argument("--api-key", default=None, help="the endpoint's key (default: $OPENAI_API_KEY)")
@@ -532,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_mixed_step_graphs: kw["mixed_step_graphs"] = False
         if args.no_row_gemv: kw["row_gemv"] = False
         if args.no_pdl: kw["pdl"] = False
+        mode = "offline" if not args.rate else "poisson"
+        name = f"bench_{spec.kind}_{mode}.json"
+        out = Path(args.out) if args.out else _root() / "figures" / "data" / name
+        if out.is_dir(): out = out / name              # a folder: the default name inside it, decided before the run
         endpoint = None if args.endpoint is None else {
             "url": args.endpoint, "api_key": args.api_key or os.environ.get("OPENAI_API_KEY"),
             "model": args.served_model or args.model, "vocab_size": args.vocab_size, "max_model_len": args.max_model_len}
@@ -540,8 +545,6 @@ def main(argv: list[str] | None = None) -> int:
                                 profile_steps=args.profile_steps)
     except (ValueError, FileNotFoundError) as e:
         print(f"nanoserve bench: error: {e}", file=sys.stderr); return 2
-    mode = "offline" if not args.rate else "poisson"
-    out = Path(args.out) if args.out else _root() / "figures" / "data" / f"bench_{spec.kind}_{mode}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(report(results)); print(f"results: {out}")

@@ -442,3 +442,14 @@ def test_warmup_is_not_counted_in_the_ledger_gap(model_dir, monkeypatch):
     assert [r["num_output_tokens"] for r in res["per_request"]] == [6, 6]
     total_gap = res["ledger"]["gap"] * res["ledger"]["steps"]
     assert total_gap < PAUSE / 5, f"the ledger's gaps add up to {total_gap:.3f} s: the {PAUSE} s warm-up is in them"
+
+
+def test_cli_out_folder_gets_the_default_name(model_dir, tmp_path):
+    "`--out` naming a folder writes the results there under the default name (it used to fail after the run)."
+    rc = bench.main(["--model", str(model_dir), "--engines", "continuous", "--num-requests", "2", "--prompt-median", "8",
+                     "--output-median", "3", "--prompt-max", "12", "--output-max", "4", "--repeats", "1", "--warmup", "0",
+                     "--device", "cpu", "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--profile-steps", "0",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "bench_lognormal_offline.json").read_text())
+    assert res["runs"][0]["reps"][0]["summary"]["output_tokens"] == res["num_output_tokens_requested"]
