@@ -16,24 +16,35 @@ from nanoserve.engine import LLM, SamplingParams
 from nanoserve.tokenizer import ensure_default_model
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="figures/data")
-    ap.add_argument("--label", default="")
-    args = ap.parse_args()
-    llm = LLM(ensure_default_model(), max_num_seqs=64, max_num_batched_tokens=4096, num_kv_blocks=8192)
-    llm.runner.enable_graphs([1, 2, 4, 8, 16, 32, 64], llm.max_model_len, capture=False)
+def decoding_engine(model_dir, batch: int, prompt_len: int = 1000):
+    """A CPU engine with `batch` sequences of `prompt_len` tokens in steady decode, packed for the CUDA-graph buckets
+    (`capture=False`), and `one()`: one decode step's host path (schedule, sampling rows, pack, update, reports)."""
+    llm = LLM(model_dir, max_num_seqs=batch, max_num_batched_tokens=4096, num_kv_blocks=batch * (prompt_len // 16 + 72),
+              device="cpu")
+    llm.runner.enable_graphs([b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= batch], llm.max_model_len,
+                             capture=False)
     g = random.Random(0)
-    for _ in range(64):
-        llm.add_request([g.randrange(llm.config.vocab_size) for _ in range(1000)],
+    for _ in range(batch):
+        llm.add_request([g.randrange(llm.config.vocab_size) for _ in range(prompt_len)],
                         SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True), stream=False)
-    while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
-    sched, runner, n = llm.scheduler, llm.runner, 100
+    sched, runner = llm.scheduler, llm.runner
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):   # prefill, without the model
+        step = sched.schedule(); sched.update(step, [1] * len(step.sample_seq_ids))
 
     def one():
         step = sched.schedule(); s = llm._sampling(step); x = runner.pack(step, s)
         sched.update(step, [1] * len(step.seqs)); llm._reports(step, 0.0)
         return x
+    return llm, one
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="figures/data")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    llm, one = decoding_engine(ensure_default_model(), 64)
+    sched, runner, n = llm.scheduler, llm.runner, 100
     x = one()
     assert x.bucket == 64, x.bucket
     total = [timeit.timeit(one, number=n) / n * 1e3 for _ in range(3)]

@@ -81,21 +81,8 @@ def run_once(llm, prompts, sp, ledger: bool, keep_prefix_cache: bool = False):
 
 def host_path(llm_dir, batch):
     """ms a step of the host path alone at `batch` (1,000-token prompts, graph-bucket packing, no GPU work)."""
-    llm = LLM(llm_dir, dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=16384, num_kv_blocks=20000,
-              device="cpu")
-    llm.runner.enable_graphs([b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= batch], 2048, capture=False)
-    g = random.Random(0)
-    for _ in range(batch):
-        llm.add_request([g.randrange(1000) for _ in range(1000)],
-                        SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True), stream=False)
-    sched, runner = llm.scheduler, llm.runner
-    # prefill by hand-off: mark the prompts computed without running the model
-    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-        step = sched.schedule(); sched.update(step, [1] * len(step.sample_seq_ids))
-
-    def one():
-        step = sched.schedule(); s = llm._sampling(step); runner.pack(step, s)
-        sched.update(step, [1] * len(step.seqs)); llm._reports(step, 0.0)
+    from host_path import decoding_engine
+    llm, one = decoding_engine(llm_dir, batch)
     one()
     out = [timeit.timeit(one, number=50) / 50 * 1e3 for _ in range(3)]
     del llm

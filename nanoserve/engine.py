@@ -453,12 +453,11 @@ class RequestOutput:
 class _Request:
     seq: Sequence
     params: SamplingParams
-    seed: int
+    sampling_row: tuple            # (temperature, top_p, top_k, seed): its rows of a step's sampling, less the offset
     detok: object
     output: RequestOutput
     stream: bool = True            # report (and detokenize) every step, not only at the end
     num_reported: int = 0
-    sampling_row: tuple = ()       # (temperature, top_p, top_k, seed): its sampling row, less the offset
 
 # %% ../nbs/05_engine.ipynb #0dafb9c6
 LEDGER_PHASES = ("gap", "schedule", "prepare", "h2d", "launch", "sync", "update")
@@ -699,8 +698,8 @@ class LLM:
         out = RequestOutput(rid, text, ids, arrival_time=time.perf_counter())
         self.scheduler.add(seq)
         row = (float(params.temperature), float(params.top_p), min(params.top_k, self.config.vocab_size), seed)
-        self._requests[rid] = _Request(seq, params, seed, IncrementalDetokenizer(self._detok_backend, ids), out, stream,
-                                       sampling_row=row)
+        detok = IncrementalDetokenizer(self._detok_backend, ids)
+        self._requests[rid] = _Request(seq, params, row, detok, out, stream)
         return rid
 
     def abort_request(self, request_id: int) -> bool:
