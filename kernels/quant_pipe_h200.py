@@ -1,0 +1,229 @@
+"""The one-row INT4 GEMV's loads in flight (issue 9): does hiding its load latency close the gap to the copy speed?
+
+Run on the device machine from the repo root:
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_pipe_h200.py --out $OUT [--parts pipe]
+Writes quant_pipe_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every part.
+
+The shipped INT4 words path (`ZPAIR` + `SHIFT`: nibbles and activations in packed bf16 pairs, the zero point
+inside the pairs) prefetches the next group's weight words, but loads each group's scales, zero points and
+activations in the iteration that uses them, and its zero points reach the words' layout through shared memory
+(two barriers a trip). Nsight Compute found its warps waiting on loads, 1.1 eligible a scheduler. `pipe_int4_kernel`
+keeps the arithmetic and changes where the loads are:
+
+- MODE 0: everything the next group needs (words, scales, zero-point pairs, and with XPF its activation pairs) is
+  loaded at the top of this group's iteration, into registers; DEPTH 2 keeps two groups in flight.
+- MODE 1: the loop loads what it uses, and Triton's software pipeline (`tl.range(..., num_stages=STAGES)`) turns
+  the loads into asynchronous copies into shared memory, STAGES - 1 groups ahead.
+- ZFMT 1: the zero points stored as the ready int32 pair -(128 + z), -(128 + z) (4 bytes a group, not 1), so no
+  byte load, no shift and no or in the loop; SG: scales and zero points stored [groups, N] (a program's channels
+  contiguous: one coalesced load a group) instead of [N, groups].
+
+Each variant is checked against `quant_matmul_ref` and timed by `graphs_h200.graph_bench` against the shipped
+kernel (`quant_matmul`, the package's table, PDL on) in the same run.
+"""
+import json, os, sys, time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+import graphs_h200 as G                                      # noqa: E402
+from diet_h200 import layer_shapes                           # noqa: E402
+from quant_lab_h200 import layer_case                        # noqa: E402
+from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
+from nanoserve.fused import _sum_last, finish_split, split_tiles                           # noqa: E402
+from nanoserve.quant import PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, quant_matmul      # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _zpair(z_ptr, ZFMT: tl.constexpr):
+    "The int32 pair -(128 + z), -(128 + z) in bf16 bits, from a byte z (ZFMT 0) or stored ready (ZFMT 1)."
+    if ZFMT == 1:
+        return tl.load(z_ptr)
+    zb = tl.load(z_ptr).to(tl.int32) | 0xC300
+    return zb | (zb << 16)
+
+
+@triton.jit
+def _group_dot(x_ptr, t, words, s, zp, ASM: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr,
+               p0, p1, p2, p3, XPF: tl.constexpr):
+    "One group's sum of s (q - z) x per word [BLOCK_N, NW] (activation pairs loaded here unless XPF gave them)."
+    NW: tl.constexpr = GROUP // 8
+    if not XPF:
+        p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)
+    zp2 = zp[:, None]
+    if EMULATE:
+        dot = _pairs_emulated(words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp2)
+    else:
+        dot = tl.inline_asm_elementwise(ASM, "=f,r,r,r,r,r,r",
+                                        [words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp2],
+                                        dtype=tl.float32, is_pure=True, pack=1)         # [BLOCK_N, NW]
+    return dot * s[:, None]
+
+
+@triton.jit
+def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split,
+                     stride_wn, stride_sn, stride_sg, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     SPLIT: tl.constexpr, ASM: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr,
+                     DEPTH: tl.constexpr, XPF: tl.constexpr, ZFMT: tl.constexpr, PDL: tl.constexpr,
+                     EMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NW: tl.constexpr = GROUP // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, NW)
+    wp = w_ptr + offs_n[:, None] * stride_wn + j[None, :]                    # [BLOCK_N, NW]: group 0's words
+    sp = s_ptr + offs_n * stride_sn                                           # [BLOCK_N]: group 0's scales
+    zq = z_ptr + offs_n * stride_sn
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, K // GROUP)
+    total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
+    if MODE == 0:
+        words = tl.load(wp + t_begin * NW)                                   # weights only before the wait
+        s = tl.load(sp + t_begin * stride_sg)
+        zp = _zpair(zq + t_begin * stride_sg, ZFMT)
+        if DEPTH == 2:
+            t1 = tl.minimum(t_begin + 1, t_end - 1)
+            words1 = tl.load(wp + t1 * NW)
+            s1 = tl.load(sp + t1 * stride_sg)
+            zp1 = _zpair(zq + t1 * stride_sg, ZFMT)
+        pdl_wait(PDL)
+        p0, p1, p2, p3 = _x_pairs(x_ptr, t_begin * (GROUP // 2), NW)
+        for t in range(t_begin, t_end):
+            tn = tl.minimum(t + DEPTH, t_end - 1)                             # DEPTH groups ahead (the last again)
+            words_n = tl.load(wp + tn * NW)
+            s_n = tl.load(sp + tn * stride_sg)
+            zp_n = _zpair(zq + tn * stride_sg, ZFMT)
+            if XPF:
+                q0, q1, q2, q3 = _x_pairs(x_ptr, tl.minimum(t + 1, t_end - 1) * (GROUP // 2), NW)
+            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, XPF)
+            if DEPTH == 2:
+                words, s, zp = words1, s1, zp1
+                words1, s1, zp1 = words_n, s_n, zp_n
+            else:
+                words, s, zp = words_n, s_n, zp_n
+            if XPF:
+                p0, p1, p2, p3 = q0, q1, q2, q3
+    else:
+        pdl_wait(PDL)
+        p0, p1, p2, p3 = _x_pairs(x_ptr, t_begin * (GROUP // 2), NW)         # (unused: XPF is off here)
+        for t in tl.range(t_begin, t_end, num_stages=STAGES):
+            words = tl.load(wp + t * NW)
+            s = tl.load(sp + t * stride_sg)
+            zp = _zpair(zq + t * stride_sg, ZFMT)
+            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False)
+    pdl_launch_next(PDL)                      # late: the next kernel's programs would hold SM slots
+    acc = _sum_last(total, 1)[None, :]                                        # [1, BLOCK_N]
+    finish_split(acc, out_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
+                 tl.num_programs(1), False, SPLIT)
+
+
+def pipe_operands(qweight, scales, zeros, zfmt: int, sg: bool):
+    "The kernel's operands from `quantize_int4`'s: words [N, K / 8], scales and zero points in the asked formats."
+    z = zeros.to(torch.int32) | 0xC300
+    z = (z | (z << 16)).to(torch.int32) if zfmt == 1 else zeros                 # the ready pair (int32 wraps)
+    if sg: scales, z = scales.t().contiguous(), z.t().contiguous()              # [groups, N]
+    return qweight.view(torch.int32), scales, z
+
+
+def pipe_int4(x, words, scales, zp, N: int, cfg: dict, pdl: bool, group: int = 128):
+    "x [1, K] -> [1, N] bf16 with `pipe_int4_kernel` under `cfg` (BLOCK_N, num_warps, SPLIT_K, MODE, ...)."
+    K = x.shape[1]
+    per, split = split_tiles(K, group, cfg["SPLIT_K"])
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = split_counters(x.device, N // cfg["BLOCK_N"]) if split > 1 else out
+    sg = cfg.get("SG", False)
+    stride_sn, stride_sg = (1, N) if sg else (scales.shape[1], 1)
+    pipe_int4_kernel[(N // cfg["BLOCK_N"], split)](
+        x, words, scales, zp, out, part, counters, N, K, per, words.stride(0), stride_sn, stride_sg,
+        BLOCK_N=cfg["BLOCK_N"], GROUP=group, SPLIT=split > 1, ASM=PAIRS_ASM_SHIFT, MODE=cfg.get("MODE", 0),
+        STAGES=cfg.get("STAGES", 1), DEPTH=cfg.get("DEPTH", 1), XPF=cfg.get("XPF", False), ZFMT=cfg.get("ZFMT", 0),
+        PDL=pdl, EMULATE=INTERPRET, num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl),
+        **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}))
+    return out
+
+
+SPLITS = {(37888, 3584): (2, 3, 4), (3584, 18944): (15, 30, 37), (4608, 3584): (7, 14, 28), (3584, 3584): (7, 14, 28)}
+
+
+def pipe_cands(N, K, shipped: dict):
+    """Phase 1: my shipped-placement kernel at the shipped tile (the control), then Triton's pipeline (MODE 1,
+    ready zero-point pairs) over stages, blocks, warps and splits, the likeliest first."""
+    sks = SPLITS.get((N, K), (4, 8, 16))
+    out = [{"BLOCK_N": shipped["BLOCK_N"], "num_warps": shipped["num_warps"], "SPLIT_K": shipped["SPLIT_K"],
+            "MODE": 0, **({"MAXNREG": shipped["MAXNREG"]} if shipped.get("MAXNREG") else {})},
+           {"BLOCK_N": shipped["BLOCK_N"], "num_warps": shipped["num_warps"], "SPLIT_K": shipped["SPLIT_K"],
+            "MODE": 0, "ZFMT": 1, "DEPTH": 2}]
+    for st in (3, 4, 2, 6):
+        for bn in (128, 64, 256):
+            for nw in (4, 8):
+                for sk in sks:
+                    if N % bn == 0: out.append({"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "MODE": 1,
+                                                "STAGES": st, "ZFMT": 1})
+    return out
+
+
+def near_cands(best: dict):
+    "Phase 2, around phase 1's best: scales and zero points stored [groups, N], and a stage more or less."
+    out = [{**best, "SG": True}]
+    if best.get("MODE") == 1:
+        out += [{**best, "STAGES": best["STAGES"] + 1}, {**best, "STAGES": best["STAGES"] + 2},
+                {**best, "SG": True, "STAGES": best["STAGES"] + 1}]
+    return out
+
+
+def pipe_sweep(res, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0), ("o_proj", 60.0))):
+    "Per 7B projection: the shipped kernel, then the candidates (PDL on), within each projection's budget."
+    from nanoserve.quant import GEMV_OVERRIDES
+    rows = res.setdefault("pipe", [])
+    shapes = {name: (N, K) for name, N, K, _, _ in layer_shapes("7B")}
+    for name, budget_s in budgets:
+        N, K = shapes[name]
+        t0 = time.perf_counter()
+        w, b, x, q, qb, qs, ref = layer_case("int4", N, K, False)
+        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": GEMV_OVERRIDES.get(("int4", N, K)),
+               "shipped_us": G.graph_bench(
+                   lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=True)), qb), "trials": []}
+        ops = {}
+
+        def trial(cfg):
+            key = (cfg.get("ZFMT", 0), cfg.get("SG", False))
+            if key not in ops: ops[key] = [pipe_operands(*c, *key) for c in qs]
+            try:
+                y = pipe_int4(x, *ops[key][0], N, cfg, True).float()
+                err = ((y - ref).abs().max() / ref.abs().max()).item()
+                us = G.graph_bench(lambda i: (lambda: pipe_int4(x, *ops[key][i], N, cfg, True)), qb)
+            except Exception as e:                                  # a config that does not compile
+                row["trials"].append({**cfg, "error": repr(e)[:300]}); print(name, cfg, repr(e)[:300]); return
+            r = {**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
+            row["trials"].append(r)
+            print("pipe", name, round(min(row["shipped_us"]), 2), r, flush=True)
+
+        for cfg in pipe_cands(N, K, row["shipped"]):
+            if time.perf_counter() - t0 > budget_s: break
+            trial(cfg)
+        ok = [r for r in row["trials"] if "us" in r]
+        best = min(ok, key=lambda r: r["best_us"])
+        for cfg in near_cands({k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}):
+            trial(cfg)
+        ok = [r for r in row["trials"] if "us" in r]
+        row["best"] = min(ok, key=lambda r: r["best_us"])
+        row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
+        row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+        print("pipe", name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
+        rows.append(row)
+        del qs, ops, w; torch.cuda.empty_cache()
+
+
+def main():
+    args, res, out = G.script_args("quant_pipe_h200", "pipe")
+    G.run_parts({"pipe": lambda: pipe_sweep(res)}, args.parts, res, out)
+
+
+if __name__ == "__main__":
+    main()
