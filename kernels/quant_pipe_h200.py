@@ -177,7 +177,7 @@ def near_cands(best: dict):
     return out
 
 
-def pipe_sweep(res, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0), ("o_proj", 60.0))):
+def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0), ("o_proj", 60.0))):
     "Per 7B projection: the shipped kernel, then the candidates (PDL on), within each projection's budget."
     from nanoserve.quant import GEMV_OVERRIDES
     rows = res.setdefault("pipe", [])
@@ -217,12 +217,14 @@ def pipe_sweep(res, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qk
         row["worst_rel_err"] = max(r["rel_err"] for r in ok)
         print("pipe", name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
         rows.append(row)
+        save()
         del qs, ops, w; torch.cuda.empty_cache()
 
 
 def main():
     args, res, out = G.script_args("quant_pipe_h200", "pipe")
-    G.run_parts({"pipe": lambda: pipe_sweep(res)}, args.parts, res, out)
+    G.run_parts({"pipe": lambda: pipe_sweep(res, lambda: out.write_text(json.dumps(res, indent=1)))},
+                args.parts, res, out)
 
 
 if __name__ == "__main__":
