@@ -67,7 +67,7 @@ def _group_dot(x_ptr, t, words, s, zp, ASM: tl.constexpr, GROUP: tl.constexpr, E
 
 @triton.jit
 def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split,
-                     stride_wn, stride_sn, stride_sg, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     stride_wb, stride_wn, stride_wg, stride_sn, stride_sg, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                      SPLIT: tl.constexpr, ASM: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr,
                      DEPTH: tl.constexpr, XPF: tl.constexpr, ZFMT: tl.constexpr, PDL: tl.constexpr,
                      EMULATE: tl.constexpr):
@@ -76,26 +76,27 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
     NW: tl.constexpr = GROUP // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, NW)
-    wp = w_ptr + offs_n[:, None] * stride_wn + j[None, :]                    # [BLOCK_N, NW]: group 0's words
+    # [BLOCK_N, NW]: group 0's words; row-major [N, K / 8] or, TILED, [N / BLOCK_N, groups, BLOCK_N, NW]
+    wp = w_ptr + pid_n * stride_wb + tl.arange(0, BLOCK_N)[:, None] * stride_wn + j[None, :]
     sp = s_ptr + offs_n * stride_sn                                           # [BLOCK_N]: group 0's scales
     zq = z_ptr + offs_n * stride_sn
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, K // GROUP)
     total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
     if MODE == 0:
-        words = tl.load(wp + t_begin * NW)                                   # weights only before the wait
+        words = tl.load(wp + t_begin * stride_wg)                            # weights only before the wait
         s = tl.load(sp + t_begin * stride_sg)
         zp = _zpair(zq + t_begin * stride_sg, ZFMT)
         if DEPTH == 2:
             t1 = tl.minimum(t_begin + 1, t_end - 1)
-            words1 = tl.load(wp + t1 * NW)
+            words1 = tl.load(wp + t1 * stride_wg)
             s1 = tl.load(sp + t1 * stride_sg)
             zp1 = _zpair(zq + t1 * stride_sg, ZFMT)
         pdl_wait(PDL)
         p0, p1, p2, p3 = _x_pairs(x_ptr, t_begin * (GROUP // 2), NW)
         for t in range(t_begin, t_end):
             tn = tl.minimum(t + DEPTH, t_end - 1)                             # DEPTH groups ahead (the last again)
-            words_n = tl.load(wp + tn * NW)
+            words_n = tl.load(wp + tn * stride_wg)
             s_n = tl.load(sp + tn * stride_sg)
             zp_n = _zpair(zq + tn * stride_sg, ZFMT)
             if XPF:
@@ -108,11 +109,20 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
                 words, s, zp = words_n, s_n, zp_n
             if XPF:
                 p0, p1, p2, p3 = q0, q1, q2, q3
+    elif MODE == 2:                           # the shipped placement: only the words one group ahead
+        words = tl.load(wp + t_begin * stride_wg)
+        pdl_wait(PDL)
+        p0, p1, p2, p3 = _x_pairs(x_ptr, t_begin * (GROUP // 2), NW)         # (unused: XPF is off here)
+        for t in range(t_begin, t_end):
+            s = tl.load(sp + t * stride_sg)
+            zp = _zpair(zq + t * stride_sg, ZFMT)
+            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False)
+            words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * stride_wg)
     else:
         pdl_wait(PDL)
         p0, p1, p2, p3 = _x_pairs(x_ptr, t_begin * (GROUP // 2), NW)         # (unused: XPF is off here)
         for t in tl.range(t_begin, t_end, num_stages=STAGES):
-            words = tl.load(wp + t * NW)
+            words = tl.load(wp + t * stride_wg)
             s = tl.load(sp + t * stride_sg)
             zp = _zpair(zq + t * stride_sg, ZFMT)
             total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False)
@@ -122,8 +132,13 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
                  tl.num_programs(1), False, SPLIT)
 
 
-def pipe_operands(qweight, scales, zeros, zfmt: int, sg: bool):
-    "The kernel's operands from `quantize_int4`'s: words [N, K / 8], scales and zero points in the asked formats."
+def pipe_operands(qweight, scales, zeros, zfmt: int, sg: bool, tile: int = 0, group: int = 128):
+    """The kernel's operands from `quantize_int4`'s: words [N, K / 8] (or, with `tile`, [N / tile, groups, tile,
+    group / 8]: a program's group tile contiguous), scales and zero points in the asked formats."""
+    if tile:
+        N, KW = qweight.view(torch.int32).shape
+        qweight = qweight.view(torch.int32).view(N // tile, tile, KW // (group // 8), group // 8)  # [NB, P, G, NW]
+        qweight = qweight.permute(0, 2, 1, 3).contiguous()                                      # [NB, G, P, NW]
     z = zeros.to(torch.int32) | 0xC300
     z = (z | (z << 16)).to(torch.int32) if zfmt == 1 else zeros                 # the ready pair (int32 wraps)
     if sg: scales, z = scales.t().contiguous(), z.t().contiguous()              # [groups, N]
@@ -133,6 +148,8 @@ def pipe_operands(qweight, scales, zeros, zfmt: int, sg: bool):
 def pipe_int4(x, words, scales, zp, N: int, cfg: dict, pdl: bool, group: int = 128):
     "x [1, K] -> [1, N] bf16 with `pipe_int4_kernel` under `cfg` (BLOCK_N, num_warps, SPLIT_K, MODE, ...)."
     K = x.shape[1]
+    bn, nw = cfg["BLOCK_N"], group // 8
+    strides = (bn * K // 8, nw, bn * nw) if cfg.get("TILED") else (bn * K // 8, K // 8, nw)   # block, row, group
     per, split = split_tiles(K, group, cfg["SPLIT_K"])
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     part = torch.empty(split, 1, N, dtype=torch.float32, device=x.device) if split > 1 else out
@@ -140,7 +157,7 @@ def pipe_int4(x, words, scales, zp, N: int, cfg: dict, pdl: bool, group: int = 1
     sg = cfg.get("SG", False)
     stride_sn, stride_sg = (1, N) if sg else (scales.shape[1], 1)
     pipe_int4_kernel[(N // cfg["BLOCK_N"], split)](
-        x, words, scales, zp, out, part, counters, N, K, per, words.stride(0), stride_sn, stride_sg,
+        x, words, scales, zp, out, part, counters, N, K, per, *strides, stride_sn, stride_sg,
         BLOCK_N=cfg["BLOCK_N"], GROUP=group, SPLIT=split > 1, ASM=PAIRS_ASM_SHIFT, MODE=cfg.get("MODE", 0),
         STAGES=cfg.get("STAGES", 1), DEPTH=cfg.get("DEPTH", 1), XPF=cfg.get("XPF", False), ZFMT=cfg.get("ZFMT", 0),
         PDL=pdl, EMULATE=INTERPRET, num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl),
@@ -152,28 +169,32 @@ SPLITS = {(37888, 3584): (2, 3, 4), (3584, 18944): (15, 30, 37), (4608, 3584): (
 
 
 def pipe_cands(N, K, shipped: dict):
-    """Phase 1: my shipped-placement kernel at the shipped tile (the control), then Triton's pipeline (MODE 1,
-    ready zero-point pairs) over stages, blocks, warps and splits, the likeliest first."""
+    """Phase 1: the shipped placement (MODE 2) at the shipped tile (the control of this kernel against the
+    package's), then both placements, row-major and TILED, over blocks, warps, splits (and stages), scales and
+    zero points stored [groups, N]."""
     sks = SPLITS.get((N, K), (4, 8, 16))
-    out = [{"BLOCK_N": shipped["BLOCK_N"], "num_warps": shipped["num_warps"], "SPLIT_K": shipped["SPLIT_K"],
-            "MODE": 0, **({"MAXNREG": shipped["MAXNREG"]} if shipped.get("MAXNREG") else {})},
-           {"BLOCK_N": shipped["BLOCK_N"], "num_warps": shipped["num_warps"], "SPLIT_K": shipped["SPLIT_K"],
-            "MODE": 0, "ZFMT": 1, "DEPTH": 2}]
-    for st in (3, 4, 2, 6):
-        for bn in (128, 64, 256):
-            for nw in (4, 8):
-                for sk in sks:
-                    if N % bn == 0: out.append({"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "MODE": 1,
-                                                "STAGES": st, "ZFMT": 1})
+    ship = {"BLOCK_N": shipped["BLOCK_N"], "num_warps": shipped["num_warps"], "SPLIT_K": shipped["SPLIT_K"],
+            **({"MAXNREG": shipped["MAXNREG"]} if shipped.get("MAXNREG") else {})}
+    out = [{**ship, "MODE": 2}, {**ship, "MODE": 2, "TILED": True}, {**ship, "MODE": 2, "TILED": True, "SG": True}]
+    modes = [{"MODE": 2, "SG": True}, {"MODE": 1, "STAGES": 2, "ZFMT": 1, "SG": True},
+             {"MODE": 1, "STAGES": 3, "ZFMT": 1, "SG": True}, {"MODE": 1, "STAGES": 4, "ZFMT": 1, "SG": True}]
+    for tiled in (True, False):
+        for m in modes:
+            for bn in (128, 64, 256):
+                for nw in (4, 8):
+                    for sk in sks:
+                        if N % bn == 0: out.append({"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "TILED": tiled, **m})
     return out
 
 
 def near_cands(best: dict):
     "Phase 2, around phase 1's best: scales and zero points stored [groups, N], and a stage more or less."
-    out = [{**best, "SG": True}]
+    out = [{**best, "SG": not best.get("SG", False)}, {**best, "TILED": not best.get("TILED", False)}]
     if best.get("MODE") == 1:
         out += [{**best, "STAGES": best["STAGES"] + 1}, {**best, "STAGES": best["STAGES"] + 2},
-                {**best, "SG": True, "STAGES": best["STAGES"] + 1}]
+                {**best, "ZFMT": 0}]
+    for reg in (64, 80, 96, 128):
+        out.append({**best, "MAXNREG": reg})
     return out
 
 
@@ -192,7 +213,7 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
         ops = {}
 
         def trial(cfg):
-            key = (cfg.get("ZFMT", 0), cfg.get("SG", False))
+            key = (cfg.get("ZFMT", 0), cfg.get("SG", False), cfg["BLOCK_N"] if cfg.get("TILED") else 0)
             if key not in ops: ops[key] = [pipe_operands(*c, *key) for c in qs]
             try:
                 y = pipe_int4(x, *ops[key][0], N, cfg, True).float()
