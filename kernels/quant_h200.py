@@ -75,8 +75,11 @@ def make_layer(N, K, bias, seed=0):
     return w, b
 
 
-def packed(w, method):
-    return quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, GROUP)
+def packed(w, method, rows: bool = False):
+    "`w` quantized, in the layout `QuantLinear` stores (INT4: tiled where `gemv_tile` says; `rows`: row-major)."
+    if method == "int8": return quantize_int8(w) + (None,)
+    tile = 0 if rows else Q.gemv_tile(w.shape[0], w.shape[1], GROUP)
+    return Q.tile_int4(*quantize_int4(w, GROUP), GROUP, tile) if tile else quantize_int4(w, GROUP)
 
 
 def fmt_bytes(p):
@@ -136,6 +139,9 @@ def correctness(res):
                 row = {"layer": name, "N": N, "K": K, "method": method, "T": T,
                        "auto": rel_err(quant_matmul(x, *p, b, method, GROUP), ref),
                        "torch_bf16_path": rel_err(quant_matmul_ref(x, *p, b, method, GROUP), ref)}
+                if method == "int4":                        # the row-major layout too
+                    row["auto_rows"] = rel_err(quant_matmul(x, *packed(w, method, rows=True), b, method, GROUP), ref)
+                    row["tile"] = Q.weight_layout(p[0])[0]
                 if T <= Q.GEMV_MAX_T: row["gemv_fma"] = rel_err(quant_gemv(x, *p, b, method, GROUP), ref)
                 if T == 1:                                  # the untimed options of the one-row paths
                     for opt, cfg in OPTIONS[method].items():
@@ -145,10 +151,11 @@ def correctness(res):
                 del x, ref
             del p
         del w, b; cleanup()
-        worst = max(max(v for k, v in r.items() if k in ("auto", "gemv_fma", "gemm_splitk_dot"))
+        worst = max(max(v for k, v in r.items() if k in ("auto", "auto_rows", "gemv_fma", "gemm_splitk_dot"))
                     for r in rows if r["layer"] == name)
         log("correctness 7B", name, f"max rel err {worst:.2e}")
-    res["correctness"]["max_rel_err"] = max(max(v for k, v in r.items() if k in ("auto", "gemv_fma", "gemm_splitk_dot"))
+    res["correctness"]["max_rel_err"] = max(max(v for k, v in r.items() if k in ("auto", "auto_rows", "gemv_fma",
+                                                                                     "gemm_splitk_dot"))
                                             for r in rows)
     res["correctness"]["options_max_rel_err"] = {o: max(r[o] for r in rows if o in r)
                                                  for m in OPTIONS for o in OPTIONS[m]}

@@ -28,11 +28,12 @@ METHODS = ("int8", "int4")
 # %% auto #0
 __all__ = ['METHODS', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T',
            'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'TUNED_GEMM', 'QUANT_TARGETS',
-           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'quantize_int4', 'dequantize_int4',
-           'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
-           'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'f16_path', 'gemv_launch', 'quant_gemv',
-           'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes',
-           'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_rows', 'quantize_int4',
+           'dequantize_int4', 'tile_int4', 'weight_layout', 'dequantize', 'quant_matmul_ref', 'neg_pair',
+           'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config',
+           'words_path', 'gemv_tile', 'f16_path', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
+           'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
+           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #b75d9eb7
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +62,21 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     N, half = packed.shape
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, 2 * half)   # [N, K]
 
+
+def out_features(qweight: torch.Tensor) -> int:
+    "The output channels of packed weights: rows [N, K'], or the tiled view [N / tile, tile, groups, group']."
+    return qweight.shape[0] * qweight.shape[1] if qweight.dim() == 4 else qweight.shape[0]
+
+
+def int4_rows(qweight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed INT4 as rows [N, K / 2] (only `rows`, if given), from either layout; the tiled one (`tile_int4`)
+    is copied."""
+    if qweight.dim() == 4:
+        if rows is None: return qweight.reshape(out_features(qweight), -1)      # [NB, P, G, GB] -> [N, K / 2]
+        tile = qweight.shape[1]
+        return qweight[rows // tile, rows % tile].reshape(rows.numel(), -1)   # [T, G, GB] -> [T, K / 2]
+    return qweight if rows is None else qweight[rows]
+
 # %% ../nbs/10_quant.ipynb #e4cd2e8f
 def _check_group(K: int, group_size: int, name: str = "weight") -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
@@ -85,11 +101,32 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor,
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype=torch.float32) -> torch.Tensor:
-    "The weight [N, K] that `quantize_int4` stands for."
+    "The weight [N, K] that `quantize_int4` stands for (in either layout, `tile_int4`'s too)."
+    qweight = int4_rows(qweight)
     N = qweight.shape[0]
     q = unpack_int4(qweight).float().reshape(N, -1, group_size)             # [N, K/G, G]
     w = (q - zeros.float()[..., None]) * scales.float()[..., None]          # [N, K/G, G]
     return w.reshape(N, -1).to(dtype)                                        # [N, K]
+
+# %% ../nbs/10_quant.ipynb #f04ba959
+def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, tile: int):
+    """`quantize_int4`'s output in the one-row GEMV's layout, the same values: qweight a [N / tile, tile, groups,
+    group / 2] view of storage laid out [N / tile, groups, tile, group / 2] (a tile of `tile` channels by one group
+    is contiguous); scales and zeros [N, groups] views of [groups, N] storage."""
+    N, half = qweight.shape
+    gb = group_size // 2                                                     # bytes a group a channel
+    if tile <= 0 or N % tile or half % gb:
+        raise ValueError(f"tile_int4: tile {tile} and group {group_size} do not divide the weight [{N}, {2 * half}]")
+    q = qweight.reshape(N // tile, tile, half // gb, gb)                      # [NB, P, G, GB]
+    q = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)               # stored [NB, G, P, GB], seen [NB, P, G, GB]
+    return q, scales.t().contiguous().t(), zeros.t().contiguous().t()
+
+
+def weight_layout(q: torch.Tensor) -> tuple[int, int, int, int]:
+    """(tile, stride between tiles, stride between channels, stride between groups) of packed weights in their own
+    elements (bytes or int32 words): (0, 0, row stride, 0) for rows."""
+    if q.dim() == 4: return q.shape[1], q.stride(0), q.stride(1), q.stride(2)
+    return 0, 0, q.stride(0), 0
 
 # %% ../nbs/10_quant.ipynb #c8fbb42f
 def dequantize(qweight, scales, zeros, method: str, group_size: int | None, dtype=torch.float32) -> torch.Tensor:
@@ -309,9 +346,33 @@ def _pairs_emulated(words, p0, p1, p2, p3, zp):
 
 
 @triton.jit
-def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, M, N, K, stride_xm, stride_qn,
-               stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SUB_K: tl.constexpr, PAIRS: tl.constexpr, EVEN: tl.constexpr):
+def _qw_rows(n0, BLOCK_N: tl.constexpr, TILE: tl.constexpr, stride_qb, stride_qn):
+    """Where channels n0 .. n0 + BLOCK_N - 1 start in the weights [BLOCK_N]: rows `stride_qn` apart, or (`TILE`) rows
+    inside tiles of TILE channels (a scalar base and a ramp when the block lies in one tile, so that the compiler
+    still sees runs of contiguous, aligned addresses)."""
+    offs = tl.arange(0, BLOCK_N)
+    if TILE == 0:
+        return (n0 + offs) * stride_qn
+    elif TILE % BLOCK_N == 0:
+        return (n0 // TILE) * stride_qb + (n0 % TILE) * stride_qn + offs * stride_qn
+    else:
+        return ((n0 + offs) // TILE) * stride_qb + ((n0 + offs) % TILE) * stride_qn
+
+
+@triton.jit
+def _qw_col(k0, GU: tl.constexpr, TILE: tl.constexpr, stride_qg):
+    "Where column k0 (bytes or words, GU a group) of a row lies: k0, or (`TILE`) in its group, groups `stride_qg` apart."
+    if TILE == 0:
+        return k0
+    grp = k0 // GU
+    return grp * stride_qg + (k0 - grp * GU)      # (not k0 % GU: the compiler would lose the run's alignment)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, k0, M, N, K, stride_xm, stride_qn,
+               stride_sn, stride_qb, stride_qg, stride_sg, BITS: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, PAIRS: tl.constexpr,
+               EVEN: tl.constexpr, TILE: tl.constexpr = 0):
     "SUB_K inputs (inside one INT4 group) of BLOCK_N channels for all rows, on the fp32 cores -> [BLOCK_M, BLOCK_N]."
     n_mask = offs_n < N
     k = k0 + tl.arange(0, SUB_K)
@@ -324,15 +385,17 @@ def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, M,
         HALF: tl.constexpr = SUB_K // 2
         kp = k0 // 2 + tl.arange(0, HALF)                                     # byte index = input pair
         grp = k0 // GROUP
+        qp = (qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None]
+              + (_qw_col(k0 // 2, GROUP // 2, TILE, stride_qg) + tl.arange(0, HALF))[None, :])   # [BLOCK_N, HALF]
         if EVEN:                                # the blocks divide the shape: no masks, no predicate work
-            q = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kp[None, :]).to(tl.int32)    # [BLOCK_N, HALF]
-            z = tl.load(zeros_ptr + offs_n * stride_sn + grp).to(tl.float32)
-            s = tl.load(scales_ptr + offs_n * stride_sn + grp)
+            q = tl.load(qp).to(tl.int32)                                      # [BLOCK_N, HALF]
+            z = tl.load(zeros_ptr + offs_n * stride_sn + grp * stride_sg).to(tl.float32)
+            s = tl.load(scales_ptr + offs_n * stride_sn + grp * stride_sg)
         else:
-            q = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kp[None, :],
-                        mask=n_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)   # [BLOCK_N, HALF]
-            z = tl.load(zeros_ptr + offs_n * stride_sn + grp, mask=n_mask & (k0 < K), other=0).to(tl.float32)
-            s = tl.load(scales_ptr + offs_n * stride_sn + grp, mask=n_mask & (k0 < K), other=0.0)
+            q = tl.load(qp, mask=n_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)   # [BLOCK_N, HALF]
+            z = tl.load(zeros_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask & (k0 < K),
+                        other=0).to(tl.float32)
+            s = tl.load(scales_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask & (k0 < K), other=0.0)
         if PAIRS:                               # low and high nibbles stay apart; so do even and odd inputs
             lo = ((q & 15) | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)[:, None]   # [BLOCK_N, HALF]
             hi = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)[:, None]
@@ -367,18 +430,19 @@ def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, M,
 
 @triton.jit
 def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
-                      tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om,
+                      tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_qb, stride_qg, stride_sg,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
                       ZPAIR: tl.constexpr = False, EMULATE: tl.constexpr = False, DOT: tl.constexpr = False,
-                      F16: tl.constexpr = False):
+                      F16: tl.constexpr = False, TILE: tl.constexpr = 0):
     if not (WORDS or F16): pdl_launch_next(PDL)   # the words paths launch the next kernel after their loop
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                            # every row in one program
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N                                                      # the program's first channel
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     num_tiles = (K + BLOCK_K - 1) // BLOCK_K
     t_begin = pid_k * tiles_per_split
@@ -414,17 +478,17 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     elif WORDS and HALF2:                     # INT4 words, a tile a group: two weights an instruction (PTX), or
         NW: tl.constexpr = GROUP // 8         # with DOT the tensor cores (16-row tiles)
         j = tl.arange(0, NW)
-        wp = qweight_ptr + offs_n[:, None] * stride_qn + j[None, :]          # [BLOCK_N, NW]
-        words = tl.load(wp + t_begin * NW)                                    # the first tile: before the wait
+        wp = qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None] + j[None, :]   # [BLOCK_N, NW]
+        words = tl.load(wp + _qw_col(t_begin * NW, NW, TILE, stride_qg))      # the first tile: before the wait
         pdl_wait(PDL)
         if DOT:
             total = tl.full([16, BLOCK_N], 0.0, tl.float32)
         else:
             total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
         for t in range(t_begin, t_end):
-            s = tl.load(scales_ptr + offs_n * stride_sn + t)
+            s = tl.load(scales_ptr + offs_n * stride_sn + t * stride_sg)
             if DOT or ZPAIR:                  # the zero point inside the pairs
-                zb = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.int32) | 0xC300   # bf16 bits of -(128 + z)
+                zb = tl.load(zeros_ptr + offs_n * stride_sn + t * stride_sg).to(tl.int32) | 0xC300   # -(128 + z)
                 zp = (zb | (zb << 16))[:, None]                                   # [BLOCK_N, 1]: the pair
             if DOT:
                 rows = tl.arange(0, 16)
@@ -443,7 +507,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                         dtype=tl.float32, is_pure=True, pack=1)               # [BLOCK_N, NW]: sum of (q - z) x
                 total += dot * s[:, None]
             else:
-                z = tl.load(zeros_ptr + offs_n * stride_sn + t).to(tl.float32)
+                z = tl.load(zeros_ptr + offs_n * stride_sn + t * stride_sg).to(tl.float32)
                 xk = x_ptr + t * GROUP + 8 * j                                # [NW]: word j's inputs 8 j + m
                 lo0, hi0 = _bf16_bits(xk), _bf16_bits(xk + 4)                 # pair k: inputs 8 j + k, 8 j + k + 4
                 lo1, hi1 = _bf16_bits(xk + 1), _bf16_bits(xk + 5)
@@ -457,7 +521,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                                             (lo2 | (hi2 << 16))[None, :], (lo3 | (hi3 << 16))[None, :], neg],
                     dtype=tl.float32, is_pure=True, pack=1)                   # [BLOCK_N, NW]: sum over the word of q x
                 total += dot * s[:, None] - (s * z)[:, None] * xsum[None, :]
-            words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * NW)          # the next tile (the last one again)
+            words = tl.load(wp + _qw_col(tl.minimum(t + 1, t_end - 1) * NW, NW, TILE, stride_qg))   # the next tile
         pdl_launch_next(PDL)                  # late, as below
         if DOT:
             acc = _sum_last(tl.trans(total), 1)[None, :]                      # [1, BLOCK_N]: row 0 (the rest are 0)
@@ -468,14 +532,16 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
         GPT: tl.constexpr = BLOCK_K // GROUP
         gi = tl.arange(0, GPT)
         j = tl.arange(0, NW)
-        wp = qweight_ptr + offs_n[:, None, None] * stride_qn + gi[None, :, None] * NW + j[None, None, :]  # [BLOCK_N, GPT, NW]
-        words = tl.load(wp + t_begin * GPT * NW)                              # the first tile: before the wait
+        gcol = gi * NW if TILE == 0 else gi * stride_qg                      # [GPT]: where each group starts
+        wp = (qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None, None]
+              + gcol[None, :, None] + j[None, None, :])                      # [BLOCK_N, GPT, NW]
+        words = tl.load(wp + _qw_col(t_begin * GPT * NW, NW, TILE, stride_qg))    # the first tile: before the wait
         pdl_wait(PDL)
         total = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             g = t * GPT + gi                                                  # [GPT] group ids
-            s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + g[None, :])                   # [BLOCK_N, GPT]
-            z = tl.load(zeros_ptr + offs_n[:, None] * stride_sn + g[None, :]).to(tl.float32)
+            s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg)       # [BLOCK_N, GPT]
+            z = tl.load(zeros_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg).to(tl.float32)
             xk = x_ptr + g[:, None] * GROUP + 8 * j[None, :]                  # [GPT, NW]: nibble m of word j is input 8 j + m
             grp = tl.full([BLOCK_N, GPT, NW], 0.0, tl.float32)
             xsum = tl.full([GPT, NW], 0.0, tl.float32)
@@ -489,7 +555,7 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                 xsum += xm
             # s sum (q - z) x = s (16 sum (1 + q / 16) x - (16 + z) sum x)
             total += grp * (16.0 * s)[:, :, None] - (s * (16.0 + z))[:, :, None] * xsum[None, :, :]
-            words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * GPT * NW)     # the next tile (the last one again)
+            words = tl.load(wp + _qw_col(tl.minimum(t + 1, t_end - 1) * GPT * NW, NW, TILE, stride_qg))  # the next
         pdl_launch_next(PDL)                  # late: launched early, the next kernel's programs would hold SM slots
         acc = _sum_last(_sum_last(total, 2), 1)[None, :]                                           # [1, BLOCK_N]
     else:
@@ -497,9 +563,10 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             for j in tl.static_range(BLOCK_K // SUB_K):                       # sub-tiles: one INT4 group each
-                acc += _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, t * BLOCK_K + j * SUB_K,
-                                  M, N, K, stride_xm, stride_qn, stride_sn, BITS, GROUP, BLOCK_M, BLOCK_N, SUB_K,
-                                  PAIRS, EVEN)
+                acc += _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, pid_n * BLOCK_N,
+                                  t * BLOCK_K + j * SUB_K,
+                                  M, N, K, stride_xm, stride_qn, stride_sn, stride_qb, stride_qg, stride_sg, BITS,
+                                  GROUP, BLOCK_M, BLOCK_N, SUB_K, PAIRS, EVEN, TILE)
     if BITS == 8:
         acc = acc * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k,
@@ -507,9 +574,10 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 
 
 @triton.jit
-def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, M, N, K, stride_xm, stride_qn,
-                 stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PACKED: tl.constexpr = False):
+def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, k0, M, N, K, stride_xm, stride_qn,
+                 stride_sn, stride_qb, stride_qg, stride_sg, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr = False,
+                 TILE: tl.constexpr = 0):
     """One K tile on the tensor cores: activations [BLOCK_M, BLOCK_K] times dequantized weights -> fp32 [BLOCK_M,
     BLOCK_N]. `PACKED` (INT4): the weights arrive as int32 words and are dequantized two at a time (`DEQUANT_ASM`)."""
     m_mask = offs_m < M
@@ -525,32 +593,34 @@ def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, k0, 
     elif PACKED:
         NW: tl.constexpr = BLOCK_K // 8
         kw = k0 // 8 + tl.arange(0, NW)                                       # word index: inputs 8 kw + m
-        words = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kw[None, :],
+        words = tl.load(qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None]
+                        + (_qw_col(k0 // 8, GROUP // 8, TILE, stride_qg) + tl.arange(0, NW))[None, :],
                         mask=n_mask[:, None] & (kw < K // 8)[None, :], other=0)      # [BLOCK_N, NW] int32
         grp = k0 // GROUP                                                     # the tile lies inside one group
-        zb = tl.load(zeros_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0).to(tl.int32) | 0xC300
-        s = tl.load(scales_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0)
+        zb = tl.load(zeros_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask, other=0).to(tl.int32) | 0xC300
+        s = tl.load(scales_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask, other=0.0)
         w = _dequant_words(words, (zb | (zb << 16))[:, None], UPCAST)         # [BLOCK_N, BLOCK_K]: q - z
         return tl.dot(x, tl.trans(w)) * s[None, :]
     else:
         HALF: tl.constexpr = BLOCK_K // 2
         kp = k0 // 2 + tl.arange(0, HALF)                                     # byte index = input pair
-        q = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + kp[None, :],
+        q = tl.load(qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None]
+                    + (_qw_col(k0 // 2, GROUP // 2, TILE, stride_qg) + tl.arange(0, HALF))[None, :],
                     mask=n_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)   # [BLOCK_N, HALF]
         q = tl.reshape(tl.join(q & 15, q >> 4), (BLOCK_N, BLOCK_K))          # [BLOCK_N, HALF, 2] -> [BLOCK_N, BLOCK_K]
         grp = k0 // GROUP                                                     # the tile lies inside one group
-        z = tl.load(zeros_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0).to(tl.int32)
-        s = tl.load(scales_ptr + offs_n * stride_sn + grp, mask=n_mask, other=0.0)
+        z = tl.load(zeros_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask, other=0).to(tl.int32)
+        s = tl.load(scales_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask, other=0.0)
         w = tl.trans((q - z[:, None]).to(x.dtype))                            # [BLOCK_K, BLOCK_N]
         return tl.dot(x, w) * s[None, :]
 
 
 @triton.jit
 def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
-                      tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om,
+                      tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_qb, stride_qg, stride_sg,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                      PACKED: tl.constexpr = False):
+                      PACKED: tl.constexpr = False, TILE: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -562,8 +632,9 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for t in range(t_begin, t_end):
-        acc += _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, t * BLOCK_K, M, N, K,
-                            stride_xm, stride_qn, stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, UPCAST, PACKED)
+        acc += _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, pid_n * BLOCK_N, t * BLOCK_K,
+                            M, N, K, stride_xm, stride_qn, stride_sn, stride_qb, stride_qg, stride_sg, BITS, GROUP,
+                            BLOCK_N, BLOCK_K, UPCAST, PACKED, TILE)
     if BITS == 8:
         acc = acc * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om,
@@ -572,13 +643,16 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 # %% ../nbs/10_quant.ipynb #96d364cb
 GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the tensor-core GEMM path
 WORDS_RULE = {"WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "BLOCK_N": 64, "num_warps": 4,
-              "num_stages": 1, "PAIRS": False}  # INT4 at one row: words of nibbles, on a GPU two weights an instruction
+              "num_stages": 1, "PAIRS": False,   # INT4 at one row: words of nibbles, on a GPU two weights an instruction,
+              "TILED": True}                     # the weights in `tile_int4`'s layout (tiles of BLOCK_N channels)
 F16_RULE = {"F16": True, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}  # INT8 at one row: fp16 pairs
 # The best GEMV configuration per 7B and 0.5B layer shape at one row, from `kernels/diet_h200.py --parts
 # int4words`: for the 7B shape INT8 in packed fp16 pairs (`F16`) from git b5bd1b3 (figures/data/quant_f16_h200.json)
 # and INT4 (words of 8 nibbles in packed bf16 pairs with the zero point inside the pairs and the lanes taken by a
 # shift, `WORDS` + `HALF2` + `ZPAIR` + `SHIFT`) from git fbfebb4 (figures/data/quant_zpair_h200.json); some under a
-# register cap (`MAXNREG`). Any other shape uses the rules.
+# register cap (`MAXNREG`). The 7B INT4 entries' tiles and splits were chosen again for the tiled layout
+# (`TILED`), by `kernels/quant_pipe_h200.py` at git 024c1e2 (figures/data/quant_pipe_h200.json, "MODE" 2, the
+# package's loop). Any other shape uses the rules.
 TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1, "PAIRS": True,
                            "SPLIT_K": 8, "F16": True, "MAXNREG": 64},
@@ -589,13 +663,15 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int8", 3584, 18944): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "PAIRS": True,
                             "SPLIT_K": 5, "F16": True},
     ("int4", 4608, 3584): {"BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
-                           "SPLIT_K": 14, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128},
+                           "SPLIT_K": 14, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
+                           "TILED": True},
     ("int4", 3584, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
-                           "SPLIT_K": 16, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128},
-    ("int4", 37888, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
-                            "SPLIT_K": 2, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True},
-    ("int4", 3584, 18944): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
-                            "SPLIT_K": 15, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 64},
+                           "SPLIT_K": 16, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
+                           "TILED": True},
+    ("int4", 37888, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+                            "SPLIT_K": 2, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
+    ("int4", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+                            "SPLIT_K": 15, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
     # the 0.5B shape, `--shape 0.5B` (git 4a8d862, figures/data/quant_05_h200.json)
     ("int8", 1152, 896): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": True,
                           "F16": True, "SPLIT_K": 8, "MAXNREG": 80},
@@ -714,6 +790,14 @@ def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg:
             and group_size >= 8)
 
 
+def gemv_tile(N: int, K: int, group_size: int | None) -> int:
+    """The channels a tile of `tile_int4`'s layout for an INT4 [N, K] layer (0: rows): the one-row GEMV's `BLOCK_N`
+    where its configuration asks for `TILED` and it reads words, a group a K tile."""
+    cfg = gemv_config(1, N, K, "int4", group_size, 132)                    # (the split does not matter)
+    ok = bool(cfg.get("TILED")) and words_path(1, N, K, "int4", group_size, cfg) and cfg["BLOCK_K"] == group_size
+    return cfg["BLOCK_N"] if ok else 0
+
+
 def f16_path(M: int, N: int, K: int, method: str, dtype: torch.dtype, cfg: dict) -> bool:
     """Whether the GEMV takes INT8 in packed fp16 pairs: asked (`F16`), one bf16 row, blocks dividing the shape, a
     K tile of whole word pairs."""
@@ -722,9 +806,10 @@ def f16_path(M: int, N: int, K: int, method: str, dtype: torch.dtype, cfg: dict)
 
 
 def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype, sms: int,
-                config: dict | None = None, pdl: bool = False, interpret: bool = INTERPRET) -> dict:
+                config: dict | None = None, pdl: bool = False, interpret: bool = INTERPRET, tile: int = 0) -> dict:
     """Everything `quant_gemv` launches `quant_gemv_kernel` with but the tensors: the grid, the tiles per split and
-    the compile-time arguments (`compile_one_row` compiles from it without a GPU)."""
+    the compile-time arguments (`compile_one_row` compiles from it without a GPU); `tile`: the weights' layout
+    (`weight_layout`)."""
     bits = _bits(method)
     cfg = gemv_config(M, N, K, method, group_size, sms, config)
     words = words_path(M, N, K, method, group_size, cfg)
@@ -740,7 +825,7 @@ def gemv_launch(M: int, N: int, K: int, method: str, group_size: int | None, dty
                       BLOCK_K=cfg["BLOCK_K"], SUB_K=cfg["SUB_K"], SPLIT=split_k > 1, PAIRS=cfg["PAIRS"],
                       EVEN=even, PDL=pdl, WORDS=words, HALF2=half2,
                       ASM=(PAIRS_ASM_SHIFT if cfg.get("SHIFT") else PAIRS_ASM) if half2 else "", ZPAIR=zpair,
-                      EMULATE=(zpair or dot or f16) and interpret, DOT=dot, F16=f16)
+                      EMULATE=(zpair or dot or f16) and interpret, DOT=dot, F16=f16, TILE=tile)
     return {"grid": (triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per, "constexprs": constexprs,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": pdl,
             "maxnreg": None if interpret else cfg.get("MAXNREG")}        # a register cap a thread (ptxas), if set
@@ -751,20 +836,23 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     "FMA GEMV path: x [T, K] (T <= GEMV_MAX_T on the GPU) -> [T, N] in x's dtype."
     x, z, b = _args(x, qweight, scales, zeros, bias)
     M, K = x.shape
-    N = qweight.shape[0]
+    N = out_features(qweight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0: return out
     run = gemv_launch(M, N, K, method, group_size, x.dtype, num_sms(x.device),
-                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl)
+                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl,
+                      tile=weight_layout(qweight)[0])
     c, (n_tiles, split_k) = run["constexprs"], run["grid"]
     if (c["ZPAIR"] or c["F16"]) and x.data_ptr() % 4: x = x.clone()        # read as int32 pairs: 4-byte aligned
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if c["BITS"] == 8 else qweight            # INT8 read as bytes (see _gemv_tile)
     if c["WORDS"] or c["F16"]: q = qweight.view(torch.int32)                # 8 nibbles [N, K / 8], 4 bytes [N, K / 4]
+    _, stride_qb, stride_qn, stride_qg = weight_layout(q)
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[run["grid"]](
-        x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), q.stride(0),
-        scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **c, num_warps=run["num_warps"],
+        x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), stride_qn,
+        scales.stride(0), out.stride(0), stride_qb, stride_qg, scales.stride(-1), HAS_BIAS=bias is not None, **c,
+        num_warps=run["num_warps"],
         num_stages=run["num_stages"], **launch_options(run["pdl"]),
         **({"maxnreg": run["maxnreg"]} if run["maxnreg"] else {}))
     return out
@@ -772,19 +860,21 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
 
 def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype = torch.bfloat16,
                     config: dict | None = None, pdl: bool = True, bias: bool = False, gemm: bool = False,
-                    capability: int = 90, sms: int = 132):
+                    capability: int = 90, sms: int = 132, tile: int | None = None):
     """Compile the kernel `quant_gemv` (or, with `gemm`, `quant_gemm`) launches for x [1, K] on an [N, K] layer, for
     an NVIDIA GPU of compute `capability`, on any machine (Triton's own ptxas; no GPU): Triton's compiled kernel,
     with `.asm["ptx"]` and `.asm["cubin"]`. The arguments are specialised as a launch would: ints equal to 1
-    become constants, and pointers and ints divisible by 16 are marked so. Needs TRITON_INTERPRET=0 at import."""
+    become constants, and pointers and ints divisible by 16 are marked so. The weights are in the layout
+    `QuantLinear` gives the layer (`gemv_tile`) unless `tile` says. Needs TRITON_INTERPRET=0 at import."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     if INTERPRET: raise RuntimeError("compile_one_row needs TRITON_INTERPRET=0 when nanoserve is imported")
+    if tile is None: tile = gemv_tile(N, K, group_size) if method == "int4" else 0
     if gemm:
-        run = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False, dtype=dtype)
+        run = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False, dtype=dtype, tile=tile)
         kernel = quant_gemm_kernel
     else:
-        run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False)
+        run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False, tile=tile)
         kernel = quant_gemv_kernel
     c = {**run["constexprs"], "HAS_BIAS": bias}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
@@ -793,9 +883,12 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
     ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
             "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
             "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
+    unit = 8 if words and int4 else (4 if words else (2 if int4 else 1))   # inputs a storage element
+    row = K // unit                                                        # elements a channel
+    gu = (group_size or 1) // unit if int4 else row                        # elements a group
     ints = {"M": 1, "N": N, "K": K, "tiles_per_split": run["tiles_per_split"], "stride_xm": K,
-            "stride_qn": (K // 8 if int4 else K // 4) if words else (K // 2 if int4 else K),
-            "stride_sn": K // group_size if int4 else 1,
+            "stride_qn": gu if tile else row, "stride_qb": tile * row, "stride_qg": tile * gu if tile else gu,
+            "stride_sn": 1 if tile else (K // group_size if int4 else 1), "stride_sg": N if tile else 1,
             "stride_om": N}
     sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):
@@ -812,7 +905,7 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
 
 
 def gemm_launch(M: int, N: int, K: int, method: str, group_size: int | None, sms: int, config: dict | None = None,
-                interpret: bool = INTERPRET, dtype: torch.dtype = torch.bfloat16) -> dict:
+                interpret: bool = INTERPRET, dtype: torch.dtype = torch.bfloat16, tile: int = 0) -> dict:
     """Everything `quant_gemm` launches `quant_gemm_kernel` with but the tensors (as `gemv_launch`). `PACKED`: INT4
     read as words and dequantized in packed bf16 pairs (bf16 activations; the interpreter emulates it)."""
     cfg = gemm_config(M, N, K, method, group_size, sms, config)
@@ -820,7 +913,7 @@ def gemm_launch(M: int, N: int, K: int, method: str, group_size: int | None, sms
     packed = (method == "int4" and bool(cfg.get("PACKED")) and K % 8 == 0 and cfg["BLOCK_K"] % 8 == 0
               and (dtype == torch.bfloat16 or interpret))
     constexprs = dict(BITS=_bits(method), GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_K=cfg["BLOCK_K"], SPLIT=split_k > 1, UPCAST=interpret, PACKED=packed)
+                      BLOCK_K=cfg["BLOCK_K"], SPLIT=split_k > 1, UPCAST=interpret, PACKED=packed, TILE=tile)
     return {"grid": (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per,
             "constexprs": constexprs, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": False}
 
@@ -830,18 +923,21 @@ def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     "Tensor-core GEMM path (split-K while the output tiles are few): x [T, K] -> [T, N] in x's dtype."
     x, z, b = _args(x, qweight, scales, zeros, bias)
     M, K = x.shape
-    N = qweight.shape[0]
+    N = out_features(qweight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0: return out
     run = gemm_launch(M, N, K, method, group_size, num_sms(x.device),
-                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, dtype=x.dtype)
+                      {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, dtype=x.dtype,
+                      tile=weight_layout(qweight)[0])
     grid = run["grid"]
     q = qweight.view(torch.int32) if run["constexprs"]["PACKED"] else qweight   # 8 nibbles a word [N, K / 8]
+    _, stride_qb, stride_qn, stride_qg = weight_layout(q)
     part = torch.empty(grid[2], M, N, dtype=torch.float32, device=x.device) if grid[2] > 1 else out  # [S, T, N]
     counters = split_counters(x.device, grid[0] * grid[1]) if grid[2] > 1 else out
     quant_gemm_kernel[grid](
         x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0),
-        q.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, **run["constexprs"],
+        stride_qn, scales.stride(0), out.stride(0), stride_qb, stride_qg, scales.stride(-1),
+        HAS_BIAS=bias is not None, **run["constexprs"],
         num_warps=run["num_warps"], num_stages=run["num_stages"])
     return out
 
@@ -859,8 +955,9 @@ def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int |
     if not kernels_support(method, group_size):
         raise ValueError(f"the Triton kernels need group_size % 32 == 0 for int4, got {group_size}")
     few = x.shape[0] <= GEMV_MAX_T
-    gemm_cfg = FEW_ROWS_GEMM.get((method, qweight.shape[0], x.shape[-1])) if few else None
-    if gemm_cfg is not None and x.shape[0] == 1 and one_row_f16(qweight.shape[0], x.shape[-1], method, x.dtype):
+    N = out_features(qweight)
+    gemm_cfg = FEW_ROWS_GEMM.get((method, N, x.shape[-1])) if few else None
+    if gemm_cfg is not None and x.shape[0] == 1 and one_row_f16(N, x.shape[-1], method, x.dtype):
         gemm_cfg = None                       # one bf16 row: the GEMV's fp16 pairs beat the GEMM (measured)
     if few and gemm_cfg is None: return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl)
     return quant_gemm(x, qweight, scales, zeros, bias, method, group_size, config=gemm_cfg)
@@ -892,6 +989,8 @@ class QuantLinear(nn.Module):
             packed = quantize_int4(w, group_size)
         else: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(METHODS)}")
         bias = None if linear.bias is None else linear.bias.detach().clone()
+        tile = gemv_tile(linear.out_features, linear.in_features, group_size) if method == "int4" else 0
+        if tile: packed = tile_int4(*packed, group_size, tile)              # the one-row GEMV's layout
         return cls(*packed, bias, linear.in_features, linear.out_features, method, group_size)
 
     def use_kernels(self, x: torch.Tensor) -> bool:
@@ -941,7 +1040,8 @@ class QuantEmbedding(nn.Module):
         t = self.table
         flat = ids.reshape(-1)                                               # [T]
         zeros = None if t.zeros is None else t.zeros[flat]
-        rows = dequantize(t.qweight[flat], t.scales[flat], zeros, t.method, t.group_size, self.dtype)  # [T, K]
+        q = t.qweight[flat] if t.method == "int8" else int4_rows(t.qweight, flat)
+        rows = dequantize(q, t.scales[flat], zeros, t.method, t.group_size, self.dtype)  # [T, K]
         return rows.reshape(*ids.shape, self.embedding_dim)                  # [..., K]
 
 

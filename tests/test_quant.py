@@ -19,7 +19,8 @@ from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, TUNED_GEMV, METHODS, QU
                              QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
-                             quantized_linear_bytes, unpack_int4, weight_bytes, words_path, gemv_launch)
+                             quantized_linear_bytes, unpack_int4, weight_bytes, words_path, gemv_launch,
+                             gemv_tile, int4_rows, tile_int4, weight_layout)
 
 interp = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 
@@ -232,6 +233,50 @@ def test_gemm_packed_words_match_reference(K, G, N):
 
 
 @interp
+@interp
+@pytest.mark.parametrize("N,K,G,tile", [(256, 512, 128, 64), (192, 384, 64, 32)])
+def test_tiled_layout_every_path_matches_rows(N, K, G, tile):
+    """`tile_int4`'s layout through each kernel path (one-row words in bf16 pairs and in fp32, the plain GEMV with
+    splits, the packed and unpacked GEMM) gives what the row-major weights give, and both match the reference."""
+    g = torch.Generator().manual_seed(N)
+    w = torch.randn(N, K, generator=g) * 0.05
+    q = quantize_int4(w, G)
+    tq = tile_int4(*q, G, tile)
+    assert weight_layout(tq[0])[0] == tile and weight_layout(q[0])[0] == 0
+    words = {"WORDS": True, "HALF2": True, "ZPAIR": True, "BLOCK_N": tile, "BLOCK_K": G, "PAIRS": False}
+    for T in (1, 3, 17):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(T, K, generator=g).to(dtype)
+            ref = quant_matmul_ref(x.float(), *q, None, "int4", G)
+            runs = {"auto": lambda p: quant_matmul(x, *p, None, "int4", G)}
+            if T <= GEMV_MAX_T:
+                runs["words"] = lambda p: quant_gemv(x, *p, None, "int4", G, config=words)
+                runs["plain"] = lambda p: quant_gemv(x, *p, None, "int4", G, config={"BLOCK_N": 16, "BLOCK_K": G,
+                                                                                      "SPLIT_K": 2})
+            else:
+                runs["packed"] = lambda p: quant_gemm(x, *p, None, "int4", G)
+                runs["unpacked"] = lambda p: quant_gemm(x, *p, None, "int4", G, config={"PACKED": False,
+                                                                                         "BLOCK_N": 32})
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            for name, run in runs.items():
+                a, b = run(tq).float(), run(q).float()
+                assert ((a - b).abs().max() / ref.abs().max()).item() < tol, (name, T, dtype)
+                assert ((a - ref).abs().max() / ref.abs().max()).item() < tol, (name, T, dtype)
+
+
+def test_quant_linear_takes_the_tiled_layout_where_the_table_asks():
+    "A layer whose one-row GEMV reads words in tiles stores them tiled; its dequantized weight is unchanged."
+    lin = nn.Linear(256, 128, bias=True)
+    assert gemv_tile(128, 256, 64) == 64 and gemv_tile(128, 256, 96) == 0 and gemv_tile(100, 256, 64) == 0
+    ql = QuantLinear.from_linear(lin, "int4", 64)
+    assert ql.qweight.shape == (2, 64, 4, 32) and ql.scales.stride() == (1, 128)
+    q = quantize_int4(lin.weight.detach(), 64)
+    assert torch.equal(int4_rows(ql.qweight), q[0]) and torch.equal(ql.scales, q[1]) and torch.equal(ql.zeros, q[2])
+    assert torch.equal(ql.dequantized_weight(), dequantize_int4(*q, 64))
+    rows = QuantLinear.from_linear(nn.Linear(256, 100), "int4", 64)            # 100 channels: no tile fits
+    assert rows.qweight.shape == (100, 128)
+
+
 def test_gemv_split_edge_cases():
     torch.manual_seed(0)
     packed = quantize_int4(torch.randn(64, 256), 64)
@@ -266,8 +311,9 @@ def test_configs_and_overrides():
     saved = dict(GEMV_OVERRIDES)
     assert saved == TUNED_GEMV                                                   # the package ships the H200 table
     down = gemv_config(1, 3584, 18944, "int4", 128, 132)                         # ... and uses it: the words path
-    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["ZPAIR"]) == (128, 128, True, True)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["ZPAIR"], down["TILED"]) == (64, 128, True, True, True)
     assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
+    assert (gemv_tile(3584, 18944, 128), gemv_tile(4608, 3584, 128), gemv_tile(200, 256, 64)) == (64, 256, 0)
     try:
         GEMV_OVERRIDES.clear()                                                   # the rules alone
         down = gemv_config(2, 3584, 18944, "int4", 128, 132)                     # two rows: the sub-tile rule
