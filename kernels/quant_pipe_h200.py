@@ -34,7 +34,7 @@ from diet_h200 import layer_shapes                           # noqa: E402
 from quant_lab_h200 import layer_case                        # noqa: E402
 from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
 from nanoserve.fused import _sum_last, finish_split, split_tiles                           # noqa: E402
-from nanoserve.quant import PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, quant_matmul      # noqa: E402
+from nanoserve.quant import PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, quant_gemv, quant_matmul   # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -242,10 +242,60 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
         del qs, ops, w; torch.cuda.empty_cache()
 
 
+def package_sweep(res, save=lambda: None, budget_s: float = 60.0):
+    """The package's one-row INT4 GEMV (`quant_gemv`) on weights in `tile_int4`'s layout, over blocks (each with
+    tiles of its own width), warps, splits and register caps, per 7B projection and the 7B LM head; the row-major
+    layout at the shipped configuration as the control, and the package's choice (`quant_matmul` on what
+    `QuantLinear` would store) in the same run."""
+    from nanoserve.quant import GEMV_OVERRIDES, gemv_tile, tile_int4
+    rows = res.setdefault("package", [])
+    shapes = [(name, N, K) for name, N, K, _, _ in layer_shapes("7B")] + [("lm_head", 152064, 3584)]
+    for name, N, K in shapes:
+        t0 = time.perf_counter()
+        w, b, x, q, qb, qs, ref = layer_case("int4", N, K, False)
+        ship = dict(GEMV_OVERRIDES.get(("int4", N, K), {}))
+        tile = gemv_tile(N, K, 128)
+        tiled = {}
+
+        def layout(t):
+            if t not in tiled: tiled[t] = [tile_int4(*c, 128, t) for c in qs]
+            return tiled[t]
+
+        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": ship, "tile": tile, "trials": [],
+               "rows_us": G.graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], None, "int4", 128, pdl=True)), qb)}
+        if tile:
+            row["package_us"] = G.graph_bench(
+                lambda i: (lambda: quant_matmul(x, *layout(tile)[i], None, "int4", 128, pdl=True)), qb)
+        sks = (1, 2, 3, 4) if N > 30000 else ((8, 15, 30) if K > 10000 else (7, 14, 28))
+        cands = [{"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, **({"MAXNREG": mr} if mr else {})}
+                 for bn in (64, 128, 256, 32) for nw in (4, 8, 2) for sk in sks for mr in (None, 128)
+                 if N % bn == 0 and not (nw == 2 and bn > 128) and not (mr and nw == 2)]
+        for cfg in cands:
+            if time.perf_counter() - t0 > budget_s: break
+            ops = layout(cfg["BLOCK_N"])
+            try:
+                y = quant_gemv(x, *ops[0], None, "int4", 128, config=cfg, pdl=True).float()
+                err = ((y - ref).abs().max() / ref.abs().max()).item()
+                us = G.graph_bench(lambda i: (lambda: quant_gemv(x, *ops[i], None, "int4", 128, config=cfg, pdl=True)),
+                                   qb)
+            except Exception as e:
+                row["trials"].append({**cfg, "error": repr(e)[:300]}); print(name, cfg, repr(e)[:300]); continue
+            row["trials"].append({**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3})
+        ok = [r for r in row["trials"] if "us" in r]
+        row["best"] = min(ok, key=lambda r: r["best_us"])
+        row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+        print("package", name, "rows", round(min(row["rows_us"]), 2), "package",
+              round(min(row.get("package_us", [0])), 2), "best", row["best"], len(ok), flush=True)
+        rows.append(row)
+        save()
+        del qs, tiled, w; torch.cuda.empty_cache()
+
+
 def main():
     args, res, out = G.script_args("quant_pipe_h200", "pipe")
-    G.run_parts({"pipe": lambda: pipe_sweep(res, lambda: out.write_text(json.dumps(res, indent=1)))},
-                args.parts, res, out)
+    save = lambda: out.write_text(json.dumps(res, indent=1))
+    G.run_parts({"pipe": lambda: pipe_sweep(res, save), "package": lambda: package_sweep(res, save)}, args.parts, res,
+                out)
 
 
 if __name__ == "__main__":

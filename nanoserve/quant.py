@@ -26,14 +26,14 @@ from .fused import _sum_last, finish_split, split_tiles
 METHODS = ("int8", "int4")
 
 # %% auto #0
-__all__ = ['METHODS', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'GEMV_MAX_T',
-           'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'TUNED_GEMM', 'QUANT_TARGETS',
-           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_rows', 'quantize_int4',
-           'dequantize_int4', 'tile_int4', 'weight_layout', 'dequantize', 'quant_matmul_ref', 'neg_pair',
-           'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config', 'gemm_config',
-           'words_path', 'gemv_tile', 'f16_path', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
-           'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
-           'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+__all__ = ['METHODS', 'NIBBLES', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT',
+           'GEMV_MAX_T', 'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'TUNED_GEMM',
+           'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_rows',
+           'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'dequantize', 'quant_matmul_ref',
+           'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config',
+           'gemm_config', 'words_path', 'gemv_tile', 'f16_path', 'gemv_launch', 'quant_gemv', 'compile_one_row',
+           'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding',
+           'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #b75d9eb7
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,14 +68,18 @@ def out_features(qweight: torch.Tensor) -> int:
     return qweight.shape[0] * qweight.shape[1] if qweight.dim() == 4 else qweight.shape[0]
 
 
+NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)   # the tiled layout's words: nibble m holds input NIBBLES[m] of the word's 8
+
+
 def int4_rows(qweight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Packed INT4 as rows [N, K / 2] (only `rows`, if given), from either layout; the tiled one (`tile_int4`)
-    is copied."""
-    if qweight.dim() == 4:
-        if rows is None: return qweight.reshape(out_features(qweight), -1)      # [NB, P, G, GB] -> [N, K / 2]
-        tile = qweight.shape[1]
-        return qweight[rows // tile, rows % tile].reshape(rows.numel(), -1)   # [T, G, GB] -> [T, K / 2]
-    return qweight if rows is None else qweight[rows]
+    is copied, its nibbles put back in input order."""
+    if qweight.dim() != 4: return qweight if rows is None else qweight[rows]
+    if rows is None: q = qweight.reshape(out_features(qweight), -1)           # [NB, P, G, GB] -> [N, K / 2]
+    else: q = qweight[rows // qweight.shape[1], rows % qweight.shape[1]].reshape(rows.numel(), -1)   # [T, K / 2]
+    inverse = [NIBBLES.index(i) for i in range(8)]
+    u = unpack_int4(q).reshape(q.shape[0], -1, 8)[:, :, inverse]              # [T, K / 8, 8]: input order
+    return pack_int4(u.reshape(q.shape[0], -1))
 
 # %% ../nbs/10_quant.ipynb #e4cd2e8f
 def _check_group(K: int, group_size: int, name: str = "weight") -> None:
@@ -117,7 +121,8 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     gb = group_size // 2                                                     # bytes a group a channel
     if tile <= 0 or N % tile or half % gb:
         raise ValueError(f"tile_int4: tile {tile} and group {group_size} do not divide the weight [{N}, {2 * half}]")
-    q = qweight.reshape(N // tile, tile, half // gb, gb)                      # [NB, P, G, GB]
+    q = unpack_int4(qweight).reshape(N, half // 4, 8)[:, :, list(NIBBLES)]   # [N, K / 8, 8]: word order
+    q = pack_int4(q.reshape(N, 2 * half)).reshape(N // tile, tile, half // gb, gb)   # [NB, P, G, GB]
     q = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)               # stored [NB, G, P, GB], seen [NB, P, G, GB]
     return q, scales.t().contiguous().t(), zeros.t().contiguous().t()
 
@@ -271,9 +276,10 @@ def _pair_term(w, p, zlo, zhi):
 
 
 @triton.jit
-def _dequant_words(words, zp, EMULATE: tl.constexpr):
+def _dequant_words(words, zp, EMULATE: tl.constexpr, PERM: tl.constexpr = False):
     """INT4 words [BLOCK_N, NW] and the zero-point pairs [BLOCK_N, 1] -> the weights q - z [BLOCK_N, NW * 8] in
-    input order (8 j + m), bf16 from `DEQUANT_ASM` on a GPU, fp32 under the interpreter (its stand-in)."""
+    input order (8 j + m), bf16 from `DEQUANT_ASM` on a GPU, fp32 under the interpreter (its stand-in). `PERM`:
+    the words are `tile_int4`'s (nibble m holds input 2 m for m < 4, 2 m - 7 after)."""
     if EMULATE:
         z = -(_bits_value(zp & 0xFFFF) + 128.0)                                 # -(128 + z) -> z
         w0 = ((words & 15).to(tl.float32) - z)
@@ -288,8 +294,12 @@ def _dequant_words(words, zp, EMULATE: tl.constexpr):
         w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
             DEQUANT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zp], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     # each join adds a last axis, so the first join's axis ends up most significant: m = 4 a + 2 b + c
-    w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)),
-                tl.join(tl.join(w1, w5), tl.join(w3, w7)))                   # [BLOCK_N, NW, a, b, c]
+    if PERM:                                  # input 4 a + 2 b + c is nibble 2 a + b + 4 c
+        w = tl.join(tl.join(tl.join(w0, w2), tl.join(w1, w3)),
+                    tl.join(tl.join(w4, w6), tl.join(w5, w7)))               # [BLOCK_N, NW, a, b, c]
+    else:                                     # input 4 a + 2 b + c is nibble 4 a + 2 b + c
+        w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)),
+                    tl.join(tl.join(w1, w5), tl.join(w3, w7)))               # [BLOCK_N, NW, a, b, c]
     return tl.reshape(w, (w.shape[0], w.shape[1] * 8))                        # [BLOCK_N, NW * 8]: input 8 j + m
 
 
@@ -346,6 +356,13 @@ def _pairs_emulated(words, p0, p1, p2, p3, zp):
 
 
 @triton.jit
+def _perm_inputs(a):
+    "The inputs that storage positions `a` hold in `tile_int4`'s words: position m of 8 holds input 2 m (m < 4), 2 m - 7."
+    m = a % 8
+    return a - m + tl.where(m < 4, 2 * m, 2 * m - 7)
+
+
+@triton.jit
 def _qw_rows(n0, BLOCK_N: tl.constexpr, TILE: tl.constexpr, stride_qb, stride_qn):
     """Where channels n0 .. n0 + BLOCK_N - 1 start in the weights [BLOCK_N]: rows `stride_qn` apart, or (`TILE`) rows
     inside tiles of TILE channels (a scalar base and a ramp when the block lies in one tile, so that the compiler
@@ -399,23 +416,31 @@ def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, k0
         if PAIRS:                               # low and high nibbles stay apart; so do even and odd inputs
             lo = ((q & 15) | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)[:, None]   # [BLOCK_N, HALF]
             hi = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)[:, None]
-            ke = k0 + 2 * tl.arange(0, HALF)
+            if TILE == 0:                       # byte b: inputs 2 b (low nibble) and 2 b + 1 (high)
+                ke = k0 + 2 * tl.arange(0, HALF)
+                XO: tl.constexpr = 1
+            else:                               # tile_int4's: inputs 8 (b // 4) + 4 (b % 2) + (b // 2) % 2, and + 2
+                b = tl.arange(0, HALF)
+                ke = k0 + 8 * (b // 4) + 4 * (b % 2) + (b // 2) % 2
+                XO: tl.constexpr = 2
             if BLOCK_M == 1:
                 if EVEN:
                     xe = tl.load(x_ptr + ke).to(tl.float32)                                       # [HALF]
-                    xo = tl.load(x_ptr + ke + 1).to(tl.float32)
+                    xo = tl.load(x_ptr + ke + XO).to(tl.float32)
                 else:
                     xe = tl.load(x_ptr + ke, mask=ke < K, other=0.0).to(tl.float32)
-                    xo = tl.load(x_ptr + ke + 1, mask=ke < K, other=0.0).to(tl.float32)
+                    xo = tl.load(x_ptr + ke + XO, mask=ke < K, other=0.0).to(tl.float32)
                 part = _sum_last(lo * xe[None, :] + hi * xo[None, :], 1)[None, :]              # [1, BLOCK_N]
             else:
                 xm = (offs_m < M)[:, None] & (ke < K)[None, :]
                 xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xm, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + XO, mask=xm,
+                             other=0.0).to(tl.float32)
                 part = _sum_last(xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :], 2)  # [BLOCK_M, BLOCK_N]
             return part * s[None, :]
         q = tl.reshape(tl.join(q & 15, q >> 4), (BLOCK_N, SUB_K))            # [BLOCK_N, HALF, 2] -> [BLOCK_N, SUB_K]
         w = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)[:, None]   # q - z, exactly
+        if TILE != 0: k = _perm_inputs(k)     # storage order: the activations follow the nibbles
     if BLOCK_M == 1:
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)              # [SUB_K] (M == 1)
         part = _sum_last(w * x[None, :], 1)[None, :]                              # [1, BLOCK_N]
@@ -492,13 +517,16 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                 zp = (zb | (zb << 16))[:, None]                                   # [BLOCK_N, 1]: the pair
             if DOT:
                 rows = tl.arange(0, 16)
-                w = _dequant_words(words, zp, EMULATE)                            # [BLOCK_N, GROUP]: q - z
+                w = _dequant_words(words, zp, EMULATE, TILE != 0)                 # [BLOCK_N, GROUP]: q - z
                 xt = tl.load(x_ptr + (t * GROUP + tl.arange(0, GROUP))[None, :] + 0 * rows[:, None],
                              mask=(rows == 0)[:, None], other=0.0)                # [16, GROUP]: the row, then zeros
                 if EMULATE: xt = xt.to(tl.float32)
                 total += tl.dot(xt, tl.trans(w)) * s[None, :]                     # [16, BLOCK_N]
             elif ZPAIR:                       # the activations read as pairs
-                p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)            # [NW] each
+                if TILE == 0:                 # pair k: inputs 8 j + k and 8 j + k + 4, regrouped from x's words
+                    p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)        # [NW] each
+                else:                         # tile_int4's nibbles: pair k is inputs 8 j + 2 k, + 1: x's own words
+                    p0, p1, p2, p3 = _x_words(x_ptr, t * (GROUP // 2), NW)
                 if EMULATE:
                     dot = _pairs_emulated(words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp)
                 else:
@@ -509,10 +537,12 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
             else:
                 z = tl.load(zeros_ptr + offs_n * stride_sn + t * stride_sg).to(tl.float32)
                 xk = x_ptr + t * GROUP + 8 * j                                # [NW]: word j's inputs 8 j + m
-                lo0, hi0 = _bf16_bits(xk), _bf16_bits(xk + 4)                 # pair k: inputs 8 j + k, 8 j + k + 4
-                lo1, hi1 = _bf16_bits(xk + 1), _bf16_bits(xk + 5)
-                lo2, hi2 = _bf16_bits(xk + 2), _bf16_bits(xk + 6)
-                lo3, hi3 = _bf16_bits(xk + 3), _bf16_bits(xk + 7)
+                A: tl.constexpr = 1 if TILE == 0 else 2                      # pair k: inputs 8 j + k, 8 j + k + 4
+                B: tl.constexpr = 4 if TILE == 0 else 1                      # (tile_int4's: 8 j + 2 k, 8 j + 2 k + 1)
+                lo0, hi0 = _bf16_bits(xk), _bf16_bits(xk + B)
+                lo1, hi1 = _bf16_bits(xk + A), _bf16_bits(xk + A + B)
+                lo2, hi2 = _bf16_bits(xk + 2 * A), _bf16_bits(xk + 2 * A + B)
+                lo3, hi3 = _bf16_bits(xk + 3 * A), _bf16_bits(xk + 3 * A + B)
                 xsum = (_bits_value(lo0) + _bits_value(hi0) + _bits_value(lo1) + _bits_value(hi1)     # the word's
                         + _bits_value(lo2) + _bits_value(hi2) + _bits_value(lo3) + _bits_value(hi3))  # inputs
                 neg = tl.full([BLOCK_N, 1], -1023360256, tl.int32)            # the pair -128, -128 (`neg_pair()`)
@@ -550,7 +580,10 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
                     f = ((words << (19 - 4 * m)) & 0x780000) | 0x3F800000
                 else:
                     f = ((words >> (4 * m - 19)) & 0x780000) | 0x3F800000
-                xm = tl.load(xk + m).to(tl.float32)
+                if TILE == 0:
+                    xm = tl.load(xk + m).to(tl.float32)
+                else:                         # tile_int4's nibble m holds input 2 m (m < 4) or 2 m - 7
+                    xm = tl.load(xk + (2 * m if m < 4 else 2 * m - 7)).to(tl.float32)
                 grp += f.to(tl.float32, bitcast=True) * xm[None, :, :]
                 xsum += xm
             # s sum (q - z) x = s (16 sum (1 + q / 16) x - (16 + z) sum x)
@@ -584,6 +617,8 @@ def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, 
     n_mask = offs_n < N
     k = k0 + tl.arange(0, BLOCK_K)
     k_mask = k < K
+    if BITS == 4 and TILE != 0 and not PACKED:   # tile_int4's nibbles, unpacked in storage order: x follows them
+        k = _perm_inputs(k)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     if UPCAST: x = x.to(tl.float32)
     if BITS == 8:
@@ -599,7 +634,7 @@ def _dequant_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, 
         grp = k0 // GROUP                                                     # the tile lies inside one group
         zb = tl.load(zeros_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask, other=0).to(tl.int32) | 0xC300
         s = tl.load(scales_ptr + offs_n * stride_sn + grp * stride_sg, mask=n_mask, other=0.0)
-        w = _dequant_words(words, (zb | (zb << 16))[:, None], UPCAST)         # [BLOCK_N, BLOCK_K]: q - z
+        w = _dequant_words(words, (zb | (zb << 16))[:, None], UPCAST, TILE != 0)   # [BLOCK_N, BLOCK_K]: q - z
         return tl.dot(x, tl.trans(w)) * s[None, :]
     else:
         HALF: tl.constexpr = BLOCK_K // 2
