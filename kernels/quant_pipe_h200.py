@@ -242,13 +242,27 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
         del qs, ops, w; torch.cuda.empty_cache()
 
 
-def package_sweep(res, save=lambda: None, budget_s: float = 60.0):
+def package_cands(N, K):
+    "Blocks (tiles of their own width) x warps x splits x register caps."
+    sks = (1, 2, 3, 4) if N > 30000 else ((8, 15, 30) if K > 10000 else (7, 14, 28))
+    return [{"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, **({"MAXNREG": mr} if mr else {})}
+            for bn in (64, 128, 256, 32) for nw in (4, 8, 2) for sk in sks for mr in (None, 128)
+            if N % bn == 0 and not (nw == 2 and bn > 128) and not (mr and nw == 2)]
+
+
+def narrow_cands(N, K):
+    "The narrow end, where the first package sweep's best lay: 16 and 32 channels a program, one and two warps."
+    sks = (1, 2, 3) if N > 30000 else ((10, 15, 19, 30) if K > 10000 else (4, 7, 14))
+    return [{"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk} for bn in (32, 16) for nw in (2, 1) for sk in sks]
+
+
+def package_sweep(res, save=lambda: None, budget_s: float = 60.0, cands_of=package_cands, key="package"):
     """The package's one-row INT4 GEMV (`quant_gemv`) on weights in `tile_int4`'s layout, over blocks (each with
     tiles of its own width), warps, splits and register caps, per 7B projection and the 7B LM head; the row-major
     layout at the shipped configuration as the control, and the package's choice (`quant_matmul` on what
     `QuantLinear` would store) in the same run."""
     from nanoserve.quant import GEMV_OVERRIDES, gemv_tile, tile_int4
-    rows = res.setdefault("package", [])
+    rows = res.setdefault(key, [])
     shapes = [(name, N, K) for name, N, K, _, _ in layer_shapes("7B")] + [("lm_head", 152064, 3584)]
     for name, N, K in shapes:
         t0 = time.perf_counter()
@@ -266,11 +280,7 @@ def package_sweep(res, save=lambda: None, budget_s: float = 60.0):
         if tile:
             row["package_us"] = G.graph_bench(
                 lambda i: (lambda: quant_matmul(x, *layout(tile)[i], None, "int4", 128, pdl=True)), qb)
-        sks = (1, 2, 3, 4) if N > 30000 else ((8, 15, 30) if K > 10000 else (7, 14, 28))
-        cands = [{"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, **({"MAXNREG": mr} if mr else {})}
-                 for bn in (64, 128, 256, 32) for nw in (4, 8, 2) for sk in sks for mr in (None, 128)
-                 if N % bn == 0 and not (nw == 2 and bn > 128) and not (mr and nw == 2)]
-        for cfg in cands:
+        for cfg in cands_of(N, K):
             if time.perf_counter() - t0 > budget_s: break
             ops = layout(cfg["BLOCK_N"])
             try:
@@ -284,7 +294,7 @@ def package_sweep(res, save=lambda: None, budget_s: float = 60.0):
         ok = [r for r in row["trials"] if "us" in r]
         row["best"] = min(ok, key=lambda r: r["best_us"])
         row["worst_rel_err"] = max(r["rel_err"] for r in ok)
-        print("package", name, "rows", round(min(row["rows_us"]), 2), "package",
+        print(key, name, "rows", round(min(row["rows_us"]), 2), "package",
               round(min(row.get("package_us", [0])), 2), "best", row["best"], len(ok), flush=True)
         rows.append(row)
         save()
@@ -294,8 +304,8 @@ def package_sweep(res, save=lambda: None, budget_s: float = 60.0):
 def main():
     args, res, out = G.script_args("quant_pipe_h200", "pipe")
     save = lambda: out.write_text(json.dumps(res, indent=1))
-    G.run_parts({"pipe": lambda: pipe_sweep(res, save), "package": lambda: package_sweep(res, save)}, args.parts, res,
-                out)
+    G.run_parts({"pipe": lambda: pipe_sweep(res, save), "package": lambda: package_sweep(res, save),
+                 "narrow": lambda: package_sweep(res, save, cands_of=narrow_cands, key="narrow")}, args.parts, res, out)
 
 
 if __name__ == "__main__":
