@@ -685,9 +685,10 @@ F16_RULE = {"F16": True, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_sta
 # int4words`: for the 7B shape INT8 in packed fp16 pairs (`F16`) from git b5bd1b3 (figures/data/quant_f16_h200.json)
 # and INT4 (words of 8 nibbles in packed bf16 pairs with the zero point inside the pairs and the lanes taken by a
 # shift, `WORDS` + `HALF2` + `ZPAIR` + `SHIFT`) from git fbfebb4 (figures/data/quant_zpair_h200.json); some under a
-# register cap (`MAXNREG`). The 7B INT4 entries' tiles and splits were chosen again for the tiled layout
-# (`TILED`), by `kernels/quant_pipe_h200.py` at git 024c1e2 (figures/data/quant_pipe_h200.json, "MODE" 2, the
-# package's loop). Any other shape uses the rules.
+# register cap (`MAXNREG`). The 7B INT4 entries' blocks, warps and splits were chosen again for the tiled layout
+# (`TILED`, nibbles in pair order) by `kernels/quant_pipe_h200.py --parts package` and `--parts narrow` at git
+# 53a55b9 and 2c3e358 (figures/data/quant_package_h200.json, quant_narrow_h200.json), with the 7B LM head's
+# (152,064 x 3,584, for `quantize_lm_head`). Any other shape uses the rules.
 TUNED_GEMV: dict[tuple[str, int, int], dict] = {
     ("int8", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1, "PAIRS": True,
                            "SPLIT_K": 8, "F16": True, "MAXNREG": 64},
@@ -697,16 +698,17 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
                             "SPLIT_K": 1, "F16": True},
     ("int8", 3584, 18944): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "PAIRS": True,
                             "SPLIT_K": 5, "F16": True},
-    ("int4", 4608, 3584): {"BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
-                           "SPLIT_K": 14, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
+    ("int4", 4608, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+                           "SPLIT_K": 7, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
                            "TILED": True},
-    ("int4", 3584, 3584): {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
-                           "SPLIT_K": 16, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
-                           "TILED": True},
-    ("int4", 37888, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+    ("int4", 3584, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
+                           "SPLIT_K": 7, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
+    ("int4", 37888, 3584): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 1, "PAIRS": False,
                             "SPLIT_K": 2, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
-    ("int4", 3584, 18944): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "PAIRS": False,
+    ("int4", 3584, 18944): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 1, "PAIRS": False,
                             "SPLIT_K": 15, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
+    ("int4", 152064, 3584): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 1, "PAIRS": False,
+                             "SPLIT_K": 1, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
     # the 0.5B shape, `--shape 0.5B` (git 4a8d862, figures/data/quant_05_h200.json)
     ("int8", 1152, 896): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": True,
                           "F16": True, "SPLIT_K": 8, "MAXNREG": 80},

@@ -311,9 +311,9 @@ def test_configs_and_overrides():
     saved = dict(GEMV_OVERRIDES)
     assert saved == TUNED_GEMV                                                   # the package ships the H200 table
     down = gemv_config(1, 3584, 18944, "int4", 128, 132)                         # ... and uses it: the words path
-    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["ZPAIR"], down["TILED"]) == (64, 128, True, True, True)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["ZPAIR"], down["TILED"]) == (32, 128, True, True, True)
     assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
-    assert (gemv_tile(3584, 18944, 128), gemv_tile(4608, 3584, 128), gemv_tile(200, 256, 64)) == (64, 256, 0)
+    assert (gemv_tile(3584, 18944, 128), gemv_tile(4608, 3584, 128), gemv_tile(200, 256, 64)) == (32, 64, 0)
     try:
         GEMV_OVERRIDES.clear()                                                   # the rules alone
         down = gemv_config(2, 3584, 18944, "int4", 128, 132)                     # two rows: the sub-tile rule
