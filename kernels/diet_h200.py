@@ -36,7 +36,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    projections' words path (1, 2 or 4 groups a K tile) and the INT8 QKV and output projections, swept over blocks
    and splits against the package's table, the faster configs kept for the parts after it (so `int4words,rate7bq`
    times the step with them).
-9. profileb1: the profile at batch 1 alone, for the defaults and each control; gemv05: the gemv sweep for the 0.5B
+9. profileb1: the profile at batch 1 alone, for the defaults and each control; profile7bq: the 7B at batch 1, bf16,
+   INT4, and INT4 with the LM head quantized; gemv05: the gemv sweep for the 0.5B
    shapes only (1024-wide K tiles tried first); rate1b / rate7bb: as rate / rate7b, under "rate_after";
 10. ab / ab7b: an interleaved A/B: the defaults and the batch-1 path before the sixth round of the CUDA-graphs
    chapter (RoPE in its own kernel, torch's argmax, the previous 0.5B gemv table) both built first, then timed in
@@ -781,7 +782,10 @@ def main():
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
              "int4words": lambda: int4_words(res, args.budget, tuple(args.methods.split(",")), args.shape),
-             "rate05q": lambda: rates(d05, res, "0.5B", [1], (("defaults", {}),) + quant05)}
+             "rate05q": lambda: rates(d05, res, "0.5B", [1], (("defaults", {}),) + quant05),
+             "profile7bq": lambda: profile(G.fast_random_checkpoint("7B"), res, batches=(1,), configs=(
+                 ("bf16", {}), ("int4", {"quantization": "int4"}),
+                 ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True})))}
     if args.overrides: load_overrides(args.overrides)
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))

@@ -34,7 +34,8 @@ from diet_h200 import layer_shapes                           # noqa: E402
 from quant_lab_h200 import layer_case                        # noqa: E402
 from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
 from nanoserve.fused import _sum_last, finish_split, split_tiles                           # noqa: E402
-from nanoserve.quant import PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, quant_gemv, quant_matmul   # noqa: E402
+from nanoserve.quant import (NIBBLES, PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, _x_words, pack_int4,  # noqa: E402
+                             quant_gemv, quant_matmul, unpack_int4)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -50,11 +51,15 @@ def _zpair(z_ptr, ZFMT: tl.constexpr):
 
 @triton.jit
 def _group_dot(x_ptr, t, words, s, zp, ASM: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr,
-               p0, p1, p2, p3, XPF: tl.constexpr):
-    "One group's sum of s (q - z) x per word [BLOCK_N, NW] (activation pairs loaded here unless XPF gave them)."
+               p0, p1, p2, p3, XPF: tl.constexpr, PERM: tl.constexpr = False):
+    """One group's sum of s (q - z) x per word [BLOCK_N, NW] (activation pairs loaded here unless XPF gave them;
+    PERM: the words' nibbles in the package's pair order, so the pairs are x's own int32 words)."""
     NW: tl.constexpr = GROUP // 8
     if not XPF:
-        p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)
+        if PERM:
+            p0, p1, p2, p3 = _x_words(x_ptr, t * (GROUP // 2), NW)
+        else:
+            p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)
     zp2 = zp[:, None]
     if EMULATE:
         dot = _pairs_emulated(words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp2)
@@ -70,7 +75,7 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
                      stride_wb, stride_wn, stride_wg, stride_sn, stride_sg, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                      SPLIT: tl.constexpr, ASM: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr,
                      DEPTH: tl.constexpr, XPF: tl.constexpr, ZFMT: tl.constexpr, PDL: tl.constexpr,
-                     EMULATE: tl.constexpr):
+                     EMULATE: tl.constexpr, PERM: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NW: tl.constexpr = GROUP // 8
@@ -101,7 +106,7 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
             zp_n = _zpair(zq + tn * stride_sg, ZFMT)
             if XPF:
                 q0, q1, q2, q3 = _x_pairs(x_ptr, tl.minimum(t + 1, t_end - 1) * (GROUP // 2), NW)
-            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, XPF)
+            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, XPF, PERM)
             if DEPTH == 2:
                 words, s, zp = words1, s1, zp1
                 words1, s1, zp1 = words_n, s_n, zp_n
@@ -116,7 +121,7 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
         for t in range(t_begin, t_end):
             s = tl.load(sp + t * stride_sg)
             zp = _zpair(zq + t * stride_sg, ZFMT)
-            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False)
+            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False, PERM)
             words = tl.load(wp + tl.minimum(t + 1, t_end - 1) * stride_wg)
     else:
         pdl_wait(PDL)
@@ -125,16 +130,19 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
             words = tl.load(wp + t * stride_wg)
             s = tl.load(sp + t * stride_sg)
             zp = _zpair(zq + t * stride_sg, ZFMT)
-            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False)
+            total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False, PERM)
     pdl_launch_next(PDL)                      # late: the next kernel's programs would hold SM slots
     acc = _sum_last(total, 1)[None, :]                                        # [1, BLOCK_N]
     finish_split(acc, out_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
                  tl.num_programs(1), False, SPLIT)
 
 
-def pipe_operands(qweight, scales, zeros, zfmt: int, sg: bool, tile: int = 0, group: int = 128):
+def pipe_operands(qweight, scales, zeros, zfmt: int, sg: bool, tile: int = 0, group: int = 128, perm: bool = False):
     """The kernel's operands from `quantize_int4`'s: words [N, K / 8] (or, with `tile`, [N / tile, groups, tile,
     group / 8]: a program's group tile contiguous), scales and zero points in the asked formats."""
+    if perm:                                  # the package's nibble order (`NIBBLES`)
+        n = qweight.shape[0]
+        qweight = pack_int4(unpack_int4(qweight).reshape(n, -1, 8)[:, :, list(NIBBLES)].reshape(n, -1))
     if tile:
         N, KW = qweight.view(torch.int32).shape
         qweight = qweight.view(torch.int32).view(N // tile, tile, KW // (group // 8), group // 8)  # [NB, P, G, NW]
@@ -160,7 +168,8 @@ def pipe_int4(x, words, scales, zp, N: int, cfg: dict, pdl: bool, group: int = 1
         x, words, scales, zp, out, part, counters, N, K, per, *strides, stride_sn, stride_sg,
         BLOCK_N=cfg["BLOCK_N"], GROUP=group, SPLIT=split > 1, ASM=PAIRS_ASM_SHIFT, MODE=cfg.get("MODE", 0),
         STAGES=cfg.get("STAGES", 1), DEPTH=cfg.get("DEPTH", 1), XPF=cfg.get("XPF", False), ZFMT=cfg.get("ZFMT", 0),
-        PDL=pdl, EMULATE=INTERPRET, num_warps=cfg["num_warps"], num_stages=1, **launch_options(pdl),
+        PDL=pdl, EMULATE=INTERPRET, PERM=cfg.get("PERM", False), num_warps=cfg["num_warps"], num_stages=1,
+        **launch_options(pdl),
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}))
     return out
 
@@ -187,6 +196,17 @@ def pipe_cands(N, K, shipped: dict):
     return out
 
 
+def perm_cands(N, K, shipped: dict):
+    """The tiled layout with the package's nibble order (PERM): the package's loop (MODE 2) against Triton's
+    pipeline (MODE 1, ready zero-point pairs) over narrow blocks, warps, splits and stages."""
+    sks = {(37888, 3584): (1, 2, 3), (3584, 18944): (8, 15, 19), (4608, 3584): (4, 7, 14),
+           (3584, 3584): (4, 7, 14)}.get((N, K), (4, 8, 16))
+    modes = [{"MODE": 2}, {"MODE": 1, "STAGES": 2, "ZFMT": 1}, {"MODE": 1, "STAGES": 3, "ZFMT": 1},
+             {"MODE": 1, "STAGES": 4, "ZFMT": 1}]
+    return [{"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, "TILED": True, "SG": True, "PERM": True, **m}
+            for m in modes for bn in (32, 64) for nw in (1, 2, 4) for sk in sks]
+
+
 def near_cands(best: dict):
     "Phase 2, around phase 1's best: scales and zero points stored [groups, N], and a stage more or less."
     out = [{**best, "SG": not best.get("SG", False)}, {**best, "TILED": not best.get("TILED", False)}]
@@ -198,10 +218,11 @@ def near_cands(best: dict):
     return out
 
 
-def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0), ("o_proj", 60.0))):
+def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0),
+                                                ("o_proj", 60.0)), cands_of=None, key="pipe", near=True):
     "Per 7B projection: the shipped kernel, then the candidates (PDL on), within each projection's budget."
-    from nanoserve.quant import GEMV_OVERRIDES
-    rows = res.setdefault("pipe", [])
+    from nanoserve.quant import GEMV_OVERRIDES, gemv_tile, tile_int4
+    rows = res.setdefault(key, [])
     shapes = {name: (N, K) for name, N, K, _, _ in layer_shapes("7B")}
     for name, budget_s in budgets:
         N, K = shapes[name]
@@ -210,10 +231,17 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": GEMV_OVERRIDES.get(("int4", N, K)),
                "shipped_us": G.graph_bench(
                    lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=True)), qb), "trials": []}
+        tile = gemv_tile(N, K, 128)
+        if tile:                                  # the package as it ships: its layout and table
+            shipped_ops = [tile_int4(*c, 128, tile) for c in qs]
+            row["package_us"] = G.graph_bench(
+                lambda i: (lambda: quant_matmul(x, *shipped_ops[i], None, "int4", 128, pdl=True)), qb)
+            del shipped_ops
         ops = {}
 
         def trial(cfg):
-            key = (cfg.get("ZFMT", 0), cfg.get("SG", False), cfg["BLOCK_N"] if cfg.get("TILED") else 0)
+            key = (cfg.get("ZFMT", 0), cfg.get("SG", False), cfg["BLOCK_N"] if cfg.get("TILED") else 0, 128,
+                   cfg.get("PERM", False))
             if key not in ops: ops[key] = [pipe_operands(*c, *key) for c in qs]
             try:
                 y = pipe_int4(x, *ops[key][0], N, cfg, True).float()
@@ -225,12 +253,12 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
             row["trials"].append(r)
             print("pipe", name, round(min(row["shipped_us"]), 2), r, flush=True)
 
-        for cfg in pipe_cands(N, K, row["shipped"]):
+        for cfg in (cands_of or pipe_cands)(N, K, row["shipped"]):
             if time.perf_counter() - t0 > budget_s: break
             trial(cfg)
         ok = [r for r in row["trials"] if "us" in r]
         best = min(ok, key=lambda r: r["best_us"])
-        for cfg in near_cands({k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}):
+        for cfg in near_cands({k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}) if near else ():
             trial(cfg)
         ok = [r for r in row["trials"] if "us" in r]
         row["best"] = min(ok, key=lambda r: r["best_us"])
@@ -305,7 +333,9 @@ def main():
     args, res, out = G.script_args("quant_pipe_h200", "pipe")
     save = lambda: out.write_text(json.dumps(res, indent=1))
     G.run_parts({"pipe": lambda: pipe_sweep(res, save), "package": lambda: package_sweep(res, save),
-                 "narrow": lambda: package_sweep(res, save, cands_of=narrow_cands, key="narrow")}, args.parts, res, out)
+                 "narrow": lambda: package_sweep(res, save, cands_of=narrow_cands, key="narrow"),
+                 "perm": lambda: pipe_sweep(res, save, cands_of=perm_cands, key="perm", near=False)}, args.parts, res,
+                out)
 
 
 if __name__ == "__main__":
