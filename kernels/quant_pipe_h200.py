@@ -1,8 +1,13 @@
 """The one-row INT4 GEMV's loads in flight (issue 9): does hiding its load latency close the gap to the copy speed?
 
 Run on the device machine from the repo root:
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_pipe_h200.py --out $OUT [--parts pipe]
-Writes quant_pipe_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every part.
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_pipe_h200.py --out $OUT [--parts pipe,package,narrow,perm]
+Writes quant_pipe_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every projection.
+
+Parts: pipe, the lab kernel's load placements (and, from git 024c1e2, the tiled layout: TILED, SG) against the
+shipped kernel; package and narrow, the package's own `quant_gemv` on `tile_int4`'s layout swept over blocks,
+warps, splits (and register caps), per 7B projection and the 7B LM head; perm, the lab kernel on the package's
+final layout (PERM: its nibble order), its loop against Triton's pipeline.
 
 The shipped INT4 words path (`ZPAIR` + `SHIFT`: nibbles and activations in packed bf16 pairs, the zero point
 inside the pairs) prefetches the next group's weight words, but loads each group's scales, zero points and
@@ -174,7 +179,8 @@ def pipe_int4(x, words, scales, zp, N: int, cfg: dict, pdl: bool, group: int = 1
     return out
 
 
-SPLITS = {(37888, 3584): (2, 3, 4), (3584, 18944): (15, 30, 37), (4608, 3584): (7, 14, 28), (3584, 3584): (7, 14, 28)}
+SPLITS = {(37888, 3584): (2, 3, 4), (3584, 18944): (15, 30, 37), (4608, 3584): (7, 14, 28),
+          (3584, 3584): (7, 14, 28)}
 
 
 def pipe_cands(N, K, shipped: dict):
@@ -258,7 +264,8 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
             trial(cfg)
         ok = [r for r in row["trials"] if "us" in r]
         best = min(ok, key=lambda r: r["best_us"])
-        for cfg in near_cands({k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}) if near else ():
+        around = {k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}
+        for cfg in near_cands(around) if near else ():
             trial(cfg)
         ok = [r for r in row["trials"] if "us" in r]
         row["best"] = min(ok, key=lambda r: r["best_us"])

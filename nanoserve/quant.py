@@ -123,7 +123,7 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
         raise ValueError(f"tile_int4: tile {tile} and group {group_size} do not divide the weight [{N}, {2 * half}]")
     q = unpack_int4(qweight).reshape(N, half // 4, 8)[:, :, list(NIBBLES)]   # [N, K / 8, 8]: word order
     q = pack_int4(q.reshape(N, 2 * half)).reshape(N // tile, tile, half // gb, gb)   # [NB, P, G, GB]
-    q = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)               # stored [NB, G, P, GB], seen [NB, P, G, GB]
+    q = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)   # stored [NB, G, P, GB], seen [NB, P, G, GB]
     return q, scales.t().contiguous().t(), zeros.t().contiguous().t()
 
 
@@ -357,7 +357,7 @@ def _pairs_emulated(words, p0, p1, p2, p3, zp):
 
 @triton.jit
 def _perm_inputs(a):
-    "The inputs that storage positions `a` hold in `tile_int4`'s words: position m of 8 holds input 2 m (m < 4), 2 m - 7."
+    "The inputs that storage positions `a` hold in `tile_int4`'s words: position m of 8 holds 2 m (m < 4), 2 m - 7."
     m = a % 8
     return a - m + tl.where(m < 4, 2 * m, 2 * m - 7)
 
@@ -378,7 +378,7 @@ def _qw_rows(n0, BLOCK_N: tl.constexpr, TILE: tl.constexpr, stride_qb, stride_qn
 
 @triton.jit
 def _qw_col(k0, GU: tl.constexpr, TILE: tl.constexpr, stride_qg):
-    "Where column k0 (bytes or words, GU a group) of a row lies: k0, or (`TILE`) in its group, groups `stride_qg` apart."
+    "Where column k0 (bytes or words, GU a group) of a row lies: k0, or (`TILE`) in its group, `stride_qg` apart."
     if TILE == 0:
         return k0
     grp = k0 // GU
@@ -678,7 +678,7 @@ def quant_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 # %% ../nbs/10_quant.ipynb #96d364cb
 GEMV_MAX_T = 4           # up to this many rows: the FMA GEMV path; beyond: the tensor-core GEMM path
 WORDS_RULE = {"WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "BLOCK_N": 64, "num_warps": 4,
-              "num_stages": 1, "PAIRS": False,   # INT4 at one row: words of nibbles, on a GPU two weights an instruction,
+              "num_stages": 1, "PAIRS": False,   # INT4 at one row: words of nibbles, two weights an instruction,
               "TILED": True}                     # the weights in `tile_int4`'s layout (tiles of BLOCK_N channels)
 F16_RULE = {"F16": True, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}  # INT8 at one row: fp16 pairs
 # The best GEMV configuration per 7B and 0.5B layer shape at one row, from `kernels/diet_h200.py --parts
@@ -702,7 +702,8 @@ TUNED_GEMV: dict[tuple[str, int, int], dict] = {
                            "SPLIT_K": 7, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
                            "TILED": True},
     ("int4", 3584, 3584): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1, "PAIRS": False,
-                           "SPLIT_K": 7, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
+                           "SPLIT_K": 7, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "MAXNREG": 128,
+                           "TILED": True},
     ("int4", 37888, 3584): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 1, "PAIRS": False,
                             "SPLIT_K": 2, "WORDS": True, "HALF2": True, "ZPAIR": True, "SHIFT": True, "TILED": True},
     ("int4", 3584, 18944): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 1, "PAIRS": False,
