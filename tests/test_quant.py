@@ -550,7 +550,9 @@ def test_gemv_launch_matches_the_rules():
     assert z["constexprs"]["ZPAIR"] and z["constexprs"]["EMULATE"] and z["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
     f = gemv_launch(1, 3584, 3584, "int4", 128, torch.float32, 132, {"ZPAIR": True}, interpret=False)
     assert not (f["constexprs"]["HALF2"] or f["constexprs"]["ZPAIR"])               # fp32 activations: no pairs
-    assert gpu["grid"] == (3584 // 128, 14) and gpu["pdl"] is False     # the table: 16 splits of 28 tiles, 14 used
+    assert gpu["grid"] == (3584 // 64, 7) and gpu["pdl"] is False      # the table: 64 channels, 7 splits of 28 tiles
+    assert gpu["constexprs"]["TILE"] == 0 and gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132,
+                                                          interpret=False, tile=64)["constexprs"]["TILE"] == 64
     assert gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, pdl=True, interpret=False)["pdl"]
     i8 = lambda M, dtype, cfg: gemv_launch(M, 3584, 3584, "int8", None, dtype, 132, cfg, interpret=False)["constexprs"]
     assert i8(1, torch.bfloat16, {})["F16"] and not i8(1, torch.bfloat16, {"F16": False})["F16"]     # the table: F16
