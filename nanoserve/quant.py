@@ -106,9 +106,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor,
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype=torch.float32) -> torch.Tensor:
     "The weight [N, K] that `quantize_int4` stands for (in either layout, `tile_int4`'s too)."
-    qweight = int4_rows(qweight)
-    N = qweight.shape[0]
-    q = unpack_int4(qweight).float().reshape(N, -1, group_size)             # [N, K/G, G]
+    N = out_features(qweight)
+    if qweight.dim() == 4:                    # tiled: unpack in storage order, then each word's 8 to input order
+        u = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(N, -1, 8)        # [N, K / 8, 8]
+        q = u[:, :, [NIBBLES.index(i) for i in range(8)]].float().reshape(N, -1, group_size)   # [N, K/G, G]
+    else:
+        q = unpack_int4(qweight).float().reshape(N, -1, group_size)         # [N, K/G, G]
     w = (q - zeros.float()[..., None]) * scales.float()[..., None]          # [N, K/G, G]
     return w.reshape(N, -1).to(dtype)                                        # [N, K]
 
