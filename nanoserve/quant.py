@@ -28,12 +28,12 @@ METHODS = ("int8", "int4")
 # %% auto #0
 __all__ = ['METHODS', 'NIBBLES', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT',
            'GEMV_MAX_T', 'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'GEMV_OVERRIDES', 'FEW_ROWS_GEMM', 'TUNED_GEMM',
-           'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_rows',
-           'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'dequantize', 'quant_matmul_ref',
-           'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support', 'choose_split_k', 'gemv_config',
-           'gemm_config', 'words_path', 'gemv_tile', 'f16_path', 'gemv_launch', 'quant_gemv', 'compile_one_row',
-           'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'weight_bytes', 'QuantEmbedding',
-           'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'QUANT_TARGETS', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features',
+           'int4_values', 'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'dequantize',
+           'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'kernels_support',
+           'choose_split_k', 'gemv_config', 'gemm_config', 'words_path', 'gemv_tile', 'f16_path', 'gemv_launch',
+           'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear',
+           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/10_quant.ipynb #b75d9eb7
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,15 +71,20 @@ def out_features(qweight: torch.Tensor) -> int:
 NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)   # the tiled layout's words: nibble m holds input NIBBLES[m] of the word's 8
 
 
+def int4_values(qweight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    "The values [0, 15] of packed INT4 in input order, uint8 [N, K] (only `rows`, if given), from either layout."
+    if qweight.dim() != 4: return unpack_int4(qweight if rows is None else qweight[rows])
+    q = qweight if rows is None else qweight[rows // qweight.shape[1], rows % qweight.shape[1]]   # [.., G, GB]
+    T = out_features(qweight) if rows is None else rows.numel()
+    u = torch.stack((q & 15, q >> 4), dim=-1).reshape(T, -1, 8)               # [T, K / 8, 8]: storage order
+    return u[:, :, [NIBBLES.index(i) for i in range(8)]].reshape(T, -1)       # [T, K]: input order
+
+
 def int4_rows(qweight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Packed INT4 as rows [N, K / 2] (only `rows`, if given), from either layout; the tiled one (`tile_int4`)
     is copied, its nibbles put back in input order."""
     if qweight.dim() != 4: return qweight if rows is None else qweight[rows]
-    if rows is None: q = qweight.reshape(out_features(qweight), -1)           # [NB, P, G, GB] -> [N, K / 2]
-    else: q = qweight[rows // qweight.shape[1], rows % qweight.shape[1]].reshape(rows.numel(), -1)   # [T, K / 2]
-    inverse = [NIBBLES.index(i) for i in range(8)]
-    u = unpack_int4(q).reshape(q.shape[0], -1, 8)[:, :, inverse]              # [T, K / 8, 8]: input order
-    return pack_int4(u.reshape(q.shape[0], -1))
+    return pack_int4(int4_values(qweight, rows))
 
 # %% ../nbs/10_quant.ipynb #e4cd2e8f
 def _check_group(K: int, group_size: int, name: str = "weight") -> None:
@@ -107,11 +112,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                     dtype=torch.float32) -> torch.Tensor:
     "The weight [N, K] that `quantize_int4` stands for (in either layout, `tile_int4`'s too)."
     N = out_features(qweight)
-    if qweight.dim() == 4:                    # tiled: unpack in storage order, then each word's 8 to input order
-        u = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(N, -1, 8)        # [N, K / 8, 8]
-        q = u[:, :, [NIBBLES.index(i) for i in range(8)]].float().reshape(N, -1, group_size)   # [N, K/G, G]
-    else:
-        q = unpack_int4(qweight).float().reshape(N, -1, group_size)         # [N, K/G, G]
+    q = int4_values(qweight).float().reshape(N, -1, group_size)             # [N, K/G, G]
     w = (q - zeros.float()[..., None]) * scales.float()[..., None]          # [N, K/G, G]
     return w.reshape(N, -1).to(dtype)                                        # [N, K]
 
@@ -599,10 +600,9 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         for t in range(t_begin, t_end):
             for j in tl.static_range(BLOCK_K // SUB_K):                       # sub-tiles: one INT4 group each
-                acc += _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, pid_n * BLOCK_N,
-                                  t * BLOCK_K + j * SUB_K,
-                                  M, N, K, stride_xm, stride_qn, stride_sn, stride_qb, stride_qg, stride_sg, BITS,
-                                  GROUP, BLOCK_M, BLOCK_N, SUB_K, PAIRS, EVEN, TILE)
+                acc += _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0,
+                                  t * BLOCK_K + j * SUB_K, M, N, K, stride_xm, stride_qn, stride_sn, stride_qb,
+                                  stride_qg, stride_sg, BITS, GROUP, BLOCK_M, BLOCK_N, SUB_K, PAIRS, EVEN, TILE)
     if BITS == 8:
         acc = acc * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k,
