@@ -1,4 +1,4 @@
-"""The clock ramp on the GPU (lie 1 of the measurement chapter, nbs/08_measure.ipynb).
+"""The clock ramp on the GPU (lie 1 of the measurement chapter, nbs/13_measure.ipynb).
 
 Run on the device machine from the repo root:  PYTHONPATH=. python kernels/clock_ramp_h200.py --out $OUT
 Writes clock_ramp_h200.json (raw samples, SM clock readings, git sha, GPU, versions, date); copy it to figures/data/.

@@ -1,4 +1,4 @@
-"""H200 measurements for the weight-only quantization chapter (nbs/10_quant.ipynb): kernel correctness, a GEMV
+"""H200 measurements for the weight-only quantization chapter (nbs/08_quant.ipynb): kernel correctness, a GEMV
 configuration sweep, prefill GEMMs, the engine's decode step and KV sizing, with random weights (no checkpoint).
 
 Run on the device machine from the repo root:

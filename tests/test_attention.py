@@ -1,7 +1,7 @@
 """The Triton attention kernels on the CPU, through the interpreter, in a fresh process.
 
 The kernels' own checks (irregular shapes, ratios 1/2/7, block sizes 16/32, split-K, fp32/fp16) live in
-nbs/03_attention.ipynb. This file guards the import-order bug found while wiring the kernels into the engine:
+nbs/06_attention.ipynb. This file guards the import-order bug found while wiring the kernels into the engine:
 torch imports triton lazily inside some operations; if that happens before TRITON_INTERPRET is set, triton's own
 `@jit` helpers (tl.max, tl.sum, tl.zeros, tl.cdiv) are compiled-mode functions the interpreter cannot call.
 """

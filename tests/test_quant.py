@@ -1,5 +1,5 @@
 """Weight-only quantization (nanoserve.quant): formats, the Triton GEMV/GEMM kernels through the interpreter,
-QuantLinear, quantize_model on a small random Qwen2. The chapter nbs/10_quant.ipynb has the same checks inline,
+QuantLinear, quantize_model on a small random Qwen2. The chapter nbs/08_quant.ipynb has the same checks inline,
 with the quality and memory measurements."""
 import os
 

@@ -47,7 +47,7 @@ def test_the_training_cell_is_never_run_by_ci():
     "nbdev_test skips `#| eval: false`; nbval skips `# NBVAL_SKIP` (nbdev_clean strips cell tags, so a tag is not enough)."
     import json
     from pathlib import Path
-    nb = json.loads((Path(__file__).resolve().parents[1] / "nbs" / "04b_train_tiny.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[1] / "nbs" / "04_train_tiny.ipynb").read_text())
     training = [c for c in nb["cells"] if c["cell_type"] == "code" and "history = train(" in "".join(c["source"])]
     assert len(training) == 1
     lines = [l.strip() for l in "".join(training[0]["source"]).splitlines()]
