@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata',
-           'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'linear',
-           'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict',
-           'load_model']
+__all__ = ['TORCH_KERNELS', 'SHAPES', 'ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk',
+           'AttentionMetadata', 'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref',
+           'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm', 'mlp_gemv', 'gemv_takes_norm', 'norm_linear',
+           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -228,34 +230,61 @@ def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata
     k = apply_rotary(k.view(T, num_kv_heads, D), cos, sin)       # [T, KVH, D]
     return attend_ref(q, k, v.view(T, num_kv_heads, D), k_cache, v_cache, meta, scale)
 
+# %% ../nbs/02_model.ipynb #7deb9be0
+@dataclass(frozen=True)
+class ModelKernels:
+    "Which function computes each piece of the forward pass; the defaults are this chapter's torch path."
+    attention: Callable = paged_attention_ref  # (qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, scale, pdl=False) -> [T, H, D]
+    add_rmsnorm: Callable | None = None  # (x, residual, weight, eps, pdl=False) as fused.add_rmsnorm; None: torch RMSNorm
+    silu_mul: Callable | None = None     # (gate_up, pdl=False) -> [T, I]; None: torch
+    gemv: Callable | None = None         # fused.gemv: one-row projections on a GPU; None: nn.Linear
+    norm_in_gemv: bool = False           # with gemv and add_rmsnorm: the gemv normalises its own input
+    pdl: bool = False                    # Triton kernels launch with programmatic dependent launch
+
+
+TORCH_KERNELS = ModelKernels()           # the reference path: torch everywhere
+
 # %% ../nbs/02_model.ipynb #10261aa5
 def _gemv_fits(layer: nn.Module, x: torch.Tensor) -> bool:
     "Whether `gemv` can stand in for `layer` on `x`: a plain `nn.Linear`, one row, on a GPU."
     return type(layer) is nn.Linear and x.shape[0] == 1 and x.is_cuda
 
 
-def linear(layer: nn.Module, x: torch.Tensor, row_gemv: bool = False, pdl: bool = False) -> torch.Tensor:
-    "`layer(x)`, or the fused-kernels chapter's one-row `gemv` when asked and it fits (`pdl`: launched dependently)."
-    if row_gemv and _gemv_fits(layer, x):
-        from nanoserve.fused import gemv
-        return gemv(x, layer.weight, layer.bias, pdl=pdl)
+def linear(layer: nn.Module, x: torch.Tensor, gemv: Callable | None = None, pdl: bool = False) -> torch.Tensor:
+    "`layer(x)`, or the one-row kernel `gemv` where it is given and fits (`pdl`: launched dependently)."
+    if gemv is not None and _gemv_fits(layer, x): return gemv(x, layer.weight, layer.bias, pdl=pdl)
     return layer(x)
 
 
+def rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, kernels: ModelKernels):
+    "`norm(x, residual)`, computed by the table's `add_rmsnorm` kernel when it has one."
+    if kernels.add_rmsnorm is None: return norm(x, residual)
+    return kernels.add_rmsnorm(x, residual, norm.weight, norm.eps, pdl=kernels.pdl)
+
+
+def mlp_gemv(kernels: ModelKernels) -> Callable | None:
+    "The MLP's one-row kernel: `gemv` only with `silu_mul`, since its down projection then applies the activation."
+    return kernels.gemv if kernels.silu_mul is not None else None
+
+
+def gemv_takes_norm(kernels: ModelKernels, gemv: Callable | None) -> bool:
+    "Whether a projection's `gemv` normalises its own input: asked for, and the norm is a kernel too."
+    return gemv is not None and kernels.norm_in_gemv and kernels.add_rmsnorm is not None
+
+
 def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                row_gemv: bool = False, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(layer(norm(x + residual)), x + residual)` (no residual: `x` is the new one). Where `gemv` fits and the norm
-    is fused, one `gemv` that normalises its own input (the fused-kernels chapter's `NORM_IN_GEMV`)."""
-    if row_gemv and norm.fused and _gemv_fits(layer, x):
-        from nanoserve import fused
-        if fused.NORM_IN_GEMV:
-            return fused.gemv(x, layer.weight, layer.bias, pdl=pdl, norm=(norm.weight, norm.eps), residual=residual)
-    if residual is None: residual, x = x, norm(x)
-    else: x, residual = norm(x, residual)
-    return linear(layer, x, row_gemv, pdl), residual
+                gemv: Callable | None, kernels: ModelKernels) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(layer(norm(x + residual)), x + residual)` (no residual: `x` is the new one), the projection by `gemv` where
+    it fits; with `gemv_takes_norm`, one `gemv` that also normalises its own input."""
+    if gemv_takes_norm(kernels, gemv) and _gemv_fits(layer, x):
+        return gemv(x, layer.weight, layer.bias, pdl=kernels.pdl, norm=(norm.weight, norm.eps), residual=residual)
+    if residual is None: residual, x = x, rms_norm(norm, x, None, kernels)
+    else: x, residual = rms_norm(norm, x, residual, kernels)
+    return linear(layer, x, gemv, kernels.pdl), residual
 
-
+# %% ../nbs/02_model.ipynb #672cf8b0
 class Qwen2Attention(nn.Module):
+    "Grouped-query attention on the paged cache: QKV projection (with bias), the table's attention, O projection."
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -263,45 +292,41 @@ class Qwen2Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
-        self.row_gemv = False           # True: one-row steps use the fused-kernels chapter's `gemv`
-        self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
-        qkv = linear(self.qkv_proj, x, self.row_gemv, self.pdl)                    # [T, (H+2KVH)*D]
-        return self.attend(qkv, cos, sin, k_cache, v_cache, meta, attn_fn)
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
+        qkv = linear(self.qkv_proj, x, kernels.gemv, kernels.pdl)                  # [T, (H+2KVH)*D]
+        return self.attend(qkv, cos, sin, k_cache, v_cache, meta, kernels)
 
-    def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn_fn):
+    def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
         "Attention and the output projection, from the QKV projection's output."
         T = qkv.shape[0]
-        out = attn_fn(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale,
-                      pdl=self.pdl)                                                 # [T, H, D]
-        return linear(self.o_proj, out.view(T, self.q_size), self.row_gemv, self.pdl)   # [T, hidden]
+        out = kernels.attention(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads,
+                                self.scale, pdl=kernels.pdl)                         # [T, H, D]
+        return linear(self.o_proj, out.view(T, self.q_size), kernels.gemv, kernels.pdl)   # [T, hidden]
 
-
+# %% ../nbs/02_model.ipynb #d554ad06
 class Qwen2MLP(nn.Module):
+    "SwiGLU: the gate and up projections in one product, SiLU(gate) x up, the down projection."
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused = False              # True: SiLU(gate) x up in one Triton kernel
-        self.row_gemv = False           # True: one-row steps use `gemv`, the activation fused into the down projection
-        self.pdl = False                # True: its Triton kernels use programmatic dependent launch
 
-    def forward(self, x):
-        return self.down(linear(self.gate_up_proj, x, self.fused and self.row_gemv, self.pdl))   # [T, 2I] in
+    def forward(self, x, kernels: ModelKernels = TORCH_KERNELS):
+        return self.down(linear(self.gate_up_proj, x, mlp_gemv(kernels), kernels.pdl), kernels)   # [T, 2I] in
 
-    def down(self, gate_up):
+    def down(self, gate_up, kernels: ModelKernels = TORCH_KERNELS):
         "SiLU(gate) x up and the down projection, from the gate/up projection's output."
-        if self.fused:
-            from nanoserve.fused import gemv, silu_mul
-            if self.row_gemv and _gemv_fits(self.down_proj, gate_up):
-                return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=self.pdl)
-            return self.down_proj(silu_mul(gate_up, pdl=self.pdl))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if kernels.silu_mul is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        if kernels.gemv is not None and _gemv_fits(self.down_proj, gate_up):
+            return kernels.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=kernels.pdl)
+        return self.down_proj(kernels.silu_mul(gate_up, pdl=kernels.pdl))
 
-
+# %% ../nbs/02_model.ipynb #c29e2d41
 class Qwen2DecoderLayer(nn.Module):
+    "Pre-norm decoder layer: the residual stream passes through, each sub-layer reads its normalised sum."
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -309,15 +334,15 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen2MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, attn_fn):
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, kernels: ModelKernels = TORCH_KERNELS):
         a, m = self.self_attn, self.mlp
-        qkv, residual = norm_linear(self.input_layernorm, a.qkv_proj, x, residual, a.row_gemv, a.pdl)
-        x = a.attend(qkv, cos, sin, k_cache, v_cache, meta, attn_fn)
+        qkv, residual = norm_linear(self.input_layernorm, a.qkv_proj, x, residual, kernels.gemv, kernels)
+        x = a.attend(qkv, cos, sin, k_cache, v_cache, meta, kernels)
         gate_up, residual = norm_linear(self.post_attention_layernorm, m.gate_up_proj, x, residual,
-                                        m.fused and m.row_gemv, m.pdl)
-        return m.down(gate_up), residual
+                                        mlp_gemv(kernels), kernels)
+        return m.down(gate_up, kernels), residual
 
-
+# %% ../nbs/02_model.ipynb #15a2ccc7
 class Qwen2ForCausalLM(nn.Module):
     "Qwen2 decoder over a flat batch of tokens and a paged KV cache."
     def __init__(self, cfg: ModelConfig):
@@ -328,34 +353,25 @@ class Qwen2ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.attn_fn = paged_attention_ref
+        self.kernels = TORCH_KERNELS    # the kernel table every forward pass reads (`set_kernels`)
         self.logits_gather = None       # tensor parallel: joins every rank's vocabulary slice (that chapter)
 
-    def set_attention_backend(self, name: str) -> None:
-        "'torch' (the reference path above) or 'triton' (the fused kernels of the attention chapter)."
-        if name == "torch": self.attn_fn = paged_attention_ref
-        elif name == "triton":
-            from nanoserve.attention import paged_attention
-            self.attn_fn = paged_attention
-        else: raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
-
-    def set_fused_kernels(self, on: bool, row_gemv: bool | None = None, pdl: bool = False) -> None:
-        """Run every RMSNorm (with its residual add) and SiLU x mul as single Triton kernels, and (`row_gemv`, by
-        default with them) one-row projections on a GPU as the fused-kernels chapter's `gemv`. `pdl`: every module
-        with a `pdl` switch launches its Triton kernels with programmatic dependent launch (same chapter)."""
-        row_gemv = on if row_gemv is None else row_gemv
+    def set_kernels(self, kernels: ModelKernels) -> None:
+        """Compute the forward pass with `kernels`. A submodule with its own `pdl` switch (a quantized layer, in the
+        quantization chapter) follows the table's `pdl`."""
+        if not isinstance(kernels, ModelKernels): raise TypeError(f"set_kernels takes a ModelKernels, got {kernels!r}")
+        self.kernels = kernels
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Qwen2MLP)): m.fused = bool(on)
-            if isinstance(m, (Qwen2Attention, Qwen2MLP)): m.row_gemv = bool(row_gemv)
-            if hasattr(m, "pdl"): m.pdl = bool(pdl)
+            if hasattr(m, "pdl"): m.pdl = kernels.pdl
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         "input_ids, positions [T]; kv_caches[i] = (k_cache, v_cache) of layer i -> hidden states [T, hidden]."
+        kernels = self.kernels
         cos, sin = self.rotary.cos_sin(positions)          # once per step, shared by all layers
         x, residual = self.embed_tokens(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, self.attn_fn)
-        x, _ = self.norm(x, residual)
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, kernels)
+        x, _ = rms_norm(self.norm, x, residual, kernels)
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -434,3 +450,14 @@ def load_model(model_dir, dtype: torch.dtype | None = None, device="cpu") -> Qwe
     model.rotary.build(device, dtype)       # replaces the meta-device buffer
     model = model.to(device=device)
     return model.eval().requires_grad_(False)
+
+# %% ../nbs/02_model.ipynb #23628d9f
+def _frozen(d: dict) -> MappingProxyType: return MappingProxyType(d)
+
+SHAPES = _frozen({
+    "0.5B": _frozen(dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
+    "1.5B": _frozen(dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
+    "7B": _frozen(dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False))})
