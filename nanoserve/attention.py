@@ -6,78 +6,20 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
-
-if not torch.cuda.is_available():          # on a CPU, Triton runs only through its interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# Our own reduction helpers. Triton's `tl.max`, `tl.sum`, `tl.zeros` and `tl.cdiv` are themselves `@triton.jit`
-# functions, created when triton is imported: if torch imported triton before TRITON_INTERPRET was set (it
-# does so lazily, inside some operations), they are compiled-mode functions that the interpreter cannot
-# call. Functions defined here, after the switch, work in both modes and compile to the same code.
-@triton.jit
-def _max_fn(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_fn(a, b):
-    return a + b
-
-
-@triton.jit
-def _row_max(x):
-    return tl.reduce(x, 1, _max_fn)
-
-
-@triton.jit
-def _row_sum(x):
-    return tl.reduce(x, 1, _add_fn)
-
-
-# Programmatic dependent launch (Hopper and later; see the fused-kernels chapter): grid dependency control.
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:                         # an older Triton: `pdl_supported` says no
-    gdc_launch_dependents = gdc_wait = None
-
-
-@triton.jit
-def pdl_launch_next(PDL: tl.constexpr):
-    "Under programmatic dependent launch, let the next kernel in the stream start launching now."
-    if PDL: gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    "Under programmatic dependent launch, wait until the previous kernel has finished and its writes are visible."
-    if PDL: gdc_wait()
-
-
-def pdl_supported(device) -> bool:
-    "Whether Triton kernels on `device` can use programmatic dependent launch (compiled, compute capability >= 9)."
-    if INTERPRET or gdc_wait is None or torch.device(device).type != "cuda": return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def launch_options(pdl: bool) -> dict:
-    "Extra launch arguments of a Triton kernel: the launch attribute of programmatic dependent launch, if `pdl`."
-    return {"launch_pdl": True} if pdl else {}
+from . import model
+from .model import apply_rotary, write_kv
+from .runtime import (
+    INTERPRET, add_fn, launch_options, max_fn, num_sms, pdl_launch_next, pdl_wait, row_max, row_sum, split_counters)
 
 # %% auto #0
-__all__ = ['INTERPRET', 'ROPE_IN_DECODE', 'pdl_launch_next', 'pdl_wait', 'pdl_supported', 'launch_options', 'rope_cache_kernel',
-           'rope_cache', 'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel', 'num_sms',
-           'choose_num_splits', 'split_counters', 'decode_attention', 'decode_attention_ref',
-           'prefill_attention_kernel', 'prefill_block_m', 'prefill_attention', 'prefill_tile_map',
-           'prefill_attention_ref', 'paged_attention']
+__all__ = ['rope_cache_kernel', 'rope_cache', 'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel',
+           'choose_num_splits', 'tile_n', 'decode_attention', 'decode_attention_ref', 'prefill_attention_kernel',
+           'prefill_block_m', 'prefill_attention', 'prefill_tile_map', 'prefill_attention_ref', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #06ceca81
 @triton.jit
@@ -140,7 +82,6 @@ def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, nu
 
 def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int):
     "Torch reference of `rope_cache`."
-    from nanoserve.model import apply_rotary, write_kv
     T, D = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q = apply_rotary(q.reshape(T, num_heads, D), cos, sin)       # [T, H, D]
@@ -214,10 +155,10 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, _row_max(s))
+        m_new = tl.maximum(m_i, row_max(s))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + _row_sum(p)
+        l_i = l_i * alpha + row_sum(p)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if NUM_SPLITS == 1:
@@ -236,11 +177,11 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                 s = tl.arange(0, NUM_SPLITS)
                 rows = (seq * NUM_HEADS + heads[:, None]) * NUM_SPLITS + s[None, :]          # [BLOCK_G, S]
                 lse = tl.load(part_lse_ptr + rows, mask=gm, other=0.0, cache_modifier=".cg")
-                w = tl.exp2(lse - tl.reduce(lse, 1, _max_fn)[:, None])
-                w = w / tl.reduce(w, 1, _add_fn)[:, None]                                      # [BLOCK_G, S]
+                w = tl.exp2(lse - tl.reduce(lse, 1, max_fn)[:, None])
+                w = w / tl.reduce(w, 1, add_fn)[:, None]                                      # [BLOCK_G, S]
                 o = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=gm[:, :, None],
                             other=0.0, cache_modifier=".cg")                                  # [BLOCK_G, S, D]
-                out = tl.reduce(o * w[:, :, None], 1, _add_fn)                                 # [BLOCK_G, D]
+                out = tl.reduce(o * w[:, :, None], 1, add_fn)                                 # [BLOCK_G, D]
                 tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=gm)
                 tl.atomic_xchg(c, 0)                                        # zero again for the next launch
@@ -255,44 +196,25 @@ def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
     d = tl.arange(0, HEAD_DIM)
     row = (seq * NUM_HEADS + h) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + row)
-    w = tl.exp2(lse - tl.reduce(lse, 0, _max_fn))
-    w = w / tl.reduce(w, 0, _add_fn)
+    w = tl.exp2(lse - tl.reduce(lse, 0, max_fn))
+    w = w / tl.reduce(w, 0, add_fn)
     o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :])
-    out = tl.reduce(o * w[:, None], 0, _add_fn)
+    out = tl.reduce(o * w[:, None], 0, add_fn)
     tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 # %% ../nbs/06_attention.ipynb #0baffcf8
-_NUM_SMS: dict = {}
-
-def num_sms(device) -> int:
-    "Multiprocessors of `device` (asked once, lazily; 132 assumed for the interpreter)."
-    if device.type != "cuda": return 132
-    if device not in _NUM_SMS: _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[device]
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, tile_n: int, sms: int) -> int:
     "Split-K rule: about four programs per multiprocessor, a power of two, at most 16 and no more than the tiles."
     want = min((4 * sms) // (batch * num_kv_heads), triton.cdiv(max_context_len, tile_n), 16)
     return 1 << max(0, want.bit_length() - 1)     # round down to a power of two (1 when want is 0)
 
 
-def _tile_n(block_size: int, head_dim: int) -> int:
+def tile_n(block_size: int, head_dim: int) -> int:
+    "Keys per step of the decode and prefill kernels' loops: a block or more (64 or 32 on a GPU, by head size)."
     return max(block_size, 64 if head_dim <= 64 else 32) if not INTERPRET else max(block_size, 16)
 
 
-_SPLIT_COUNTERS: dict = {}
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The device's zeroed int32 counters of the in-kernel merge (at least `n`); every launch leaves them zero.
-    Made outside CUDA-graph capture (the warm-up before each capture makes them)."""
-    c = _SPLIT_COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: split counters must be made before CUDA-graph capture "
-                               "(run the step once first)")
-        c = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
+_tile_n = tile_n                # TRANSITIONAL: graphs.py imports it under this name until it takes tile_n
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
@@ -309,8 +231,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     like = q if q is not None else rope[0]
     out = torch.empty(B, H, D, dtype=like.dtype, device=like.device) if out is None else out
     if B == 0: return out
-    tile_n = _tile_n(block_size, D)
-    if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile_n, num_sms(out.device))
+    tile = tile_n(block_size, D)
+    if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device))
     merge = num_splits > 1 and merge_in_kernel
     if num_splits > 1:
         part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=out.device)
@@ -329,7 +251,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_args,
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,
+        TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,
         num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge:
         decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
@@ -339,8 +261,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
 
 def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float, **_):
     "Torch reference (gather + SDPA) of `decode_attention`."
-    from nanoserve.model import decode_attention_ref as ref
-    return ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return model.decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 # %% ../nbs/06_attention.ipynb #6077621d
 @triton.jit
@@ -390,10 +311,10 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_M*BLOCK_G, TILE_N]
             s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, _row_max(s))
+            m_new = tl.maximum(m_i, row_max(s))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + _row_sum(p)
+            l_i = l_i * alpha + row_sum(p)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -427,7 +348,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), tile_map.stride(0) if tiled else 0,
         G=G, BLOCK_G=triton.next_power_of_2(G), HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE_N=_tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, num_warps=4)
+        TILE_N=tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, num_warps=4)
     return out
 
 
@@ -442,26 +363,20 @@ def prefill_tile_map(q_lens: list[int], block_m: int, num_tiles: int) -> list[in
 
 def prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, scale: float, **_):
     "Torch reference of `prefill_attention`: one chunk at a time, gather + masked SDPA."
-    from nanoserve.model import prefill_attention_ref as ref
     out = torch.empty_like(q)
     cu = cu_q_lens.tolist()
     for c in range(len(cu) - 1):
-        out[cu[c]:cu[c + 1]] = ref(q[cu[c]:cu[c + 1]], k_cache, v_cache, block_tables[c], int(start_pos[c]), scale)
+        out[cu[c]:cu[c + 1]] = model.prefill_attention_ref(q[cu[c]:cu[c + 1]], k_cache, v_cache, block_tables[c], int(start_pos[c]), scale)
     return out
 
 # %% ../nbs/06_attention.ipynb #8ca92d60
-# A decode-only step rotates and writes its keys inside the decode kernel (one launch a layer, not two); False:
-# `rope_cache` first, as a mixed step does (the control of the H200 scripts)
-ROPE_IN_DECODE = True
-
-
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
-                    pdl: bool = False, rope_in_decode: bool | None = None):
+                    pdl: bool = False, rope_in_decode: bool = True):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
-    kernels use programmatic dependent launch (the fused-kernels chapter). A decode-only step (`rope_in_decode`,
-    by default `ROPE_IN_DECODE`) is one launch: the decode kernel does `rope_cache`'s work itself."""
+    kernels use programmatic dependent launch (the fused-kernels chapter). A decode-only step with `rope_in_decode`
+    is one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control)."""
     nd = meta.num_decode_tokens
-    if nd and nd == qkv.shape[0] and (ROPE_IN_DECODE if rope_in_decode is None else rope_in_decode):
+    if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                 meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,

@@ -5,22 +5,21 @@
 # %% ../nbs/07_fused.ipynb #d3aa7ea7
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():          # on a CPU, Triton runs only through its interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, _add_fn, launch_options, pdl_launch_next, pdl_wait
+from .model import RMSNorm
+from nanoserve.runtime import (
+    INTERPRET, add_fn, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait, split_counters, split_tiles,
+    sum_last)
+
+_sum_last = sum_last            # TRANSITIONAL: quant.py imports it from here until it imports nanoserve.runtime
 
 # %% auto #0
 __all__ = ['NORM_IN_GEMV', 'GEMV_CONFIGS', 'add_rmsnorm_kernel', 'add_rmsnorm', 'add_rmsnorm_ref', 'silu_mul_kernel', 'silu_mul',
-           'silu_mul_ref', 'finish_split', 'gemv_kernel', 'split_tiles', 'gemv_config', 'gemv', 'gemv_ref',
-           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
+           'silu_mul_ref', 'gemv_kernel', 'gemv_config', 'gemv', 'gemv_ref', 'argmax_rows_kernel', 'argmax_rows',
+           'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
 
 # %% ../nbs/07_fused.ipynb #0c04a0ac
 @triton.jit
@@ -48,7 +47,7 @@ def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_pt
         s = (x + r).to(new_residual_ptr.dtype.element_ty)          # rounded like the torch add
         tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
         x = s.to(tl.float32)
-    var = tl.reduce(x * x, 0, _add_fn) / HIDDEN
+    var = tl.reduce(x * x, 0, add_fn) / HIDDEN
     normed = _normed(x, x, w, 1.0 / tl.sqrt(var + eps), out_ptr.dtype.element_ty, False)   # the sum is in x already
     tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -69,7 +68,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 def add_rmsnorm_ref(x, residual, weight, eps):
     "The torch path (the model chapter's `RMSNorm`)."
-    from nanoserve.model import RMSNorm
     norm = RMSNorm(x.shape[-1], eps).to(device=x.device, dtype=weight.dtype)
     with torch.no_grad(): norm.weight.copy_(weight)
     return norm(x, residual) if residual is not None else norm(x)
@@ -109,49 +107,6 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/07_fused.ipynb #2c3ca773
 @triton.jit
-def _add(a, b):
-    return a + b
-
-
-# Triton's own combine function of `tl.sum`: the interpreter recognises it and sums with numpy (it runs any other
-# combine function element by element in Python: minutes for these tiles). Our `_add` if a version lacks it.
-_sum_combine = getattr(tl.standard, "_sum_combine", None) or _add
-
-
-@triton.jit
-def _sum_last(x, AXIS: tl.constexpr):
-    "Sum along `AXIS` (`tl.reduce`, not `tl.sum`: works under the interpreter whenever triton was imported)."
-    return tl.reduce(x, AXIS, _sum_combine)
-
-
-@triton.jit
-def finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, tile, split,
-                 num_splits, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Write a program's fp32 sums `acc` [BLOCK_M, BLOCK_N]: with one split, plus the bias, cast, to `out`; with
-    several, to the partials `[splits, M, N]`, and the output tile's last split adds them all (in split order)."""
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
-    if SPLIT:
-        rows = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + split * M * N + rows, acc, mask=mask)
-        tl.debug_barrier()                                    # every thread's partials, before the atomic
-        c = counter_ptr + tile
-        if tl.atomic_add(c, 1, sem="acq_rel") == num_splits - 1:
-            acc = tl.load(part_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
-            for sp in range(1, num_splits):
-                acc += tl.load(part_ptr + sp * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.atomic_xchg(c, 0)                              # zero again for the next launch
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
     "One `[BLOCK_N, BLOCK_K]` weight tile in fp32."
     if EVEN:
@@ -178,7 +133,7 @@ def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW: tl.constexpr, HAS
         s = (s + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + cols, s, mask=(cols < K) & store)
         s = s.to(tl.float32)
-    return 1.0 / tl.sqrt(_sum_last(s * s, 0) / K + eps)
+    return 1.0 / tl.sqrt(sum_last(s * s, 0) / K + eps)
 
 
 @triton.jit
@@ -233,7 +188,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
         kk = t * BLOCK_K + k
         acc += (_gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)
                 * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :])
-    out = _sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
+    out = sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
     finish_split(out, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, 0, pid_n, pid_k,
                  tl.num_programs(1), HAS_BIAS, SPLIT)
 
@@ -258,13 +213,6 @@ GEMV_CONFIGS: dict[tuple[int, int], dict] = {     # (N, K) -> config over the ru
 }
 
 
-def split_tiles(K: int, block_k: int, split_k: int) -> tuple[int, int]:
-    "(K tiles per split, splits) for a split-K of about `split_k`, with no empty split."
-    num_tiles = triton.cdiv(K, block_k)
-    per = triton.cdiv(num_tiles, min(max(1, split_k), num_tiles))
-    return per, triton.cdiv(num_tiles, per)
-
-
 def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
     "Blocks, warps, stages and split of `gemv` for an `[N, K]` weight: the rule, then `GEMV_CONFIGS`, then `config`."
     cfg = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT_K": None}
@@ -283,7 +231,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up
     goes in. With `norm` = (norm weight [K], eps), RMSNorm of `x` (+ `residual`) goes in, as `add_rmsnorm` computes
     it, and the result is `(out, new residual)`: `x + residual`, or `x` itself without a residual."""
-    from nanoserve.attention import num_sms, split_counters
     N, K = weight.shape
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if act else K):
         raise ValueError(f"gemv: expected x of shape (1, {2 * K if act else K}), got {tuple(x.shape)}")
@@ -380,7 +327,6 @@ def argmax_rows_kernel(x_ptr, part_val_ptr, part_idx_ptr, out_ptr, counter_ptr, 
 
 def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     "The index of each row's largest value (the first, on ties): `x` [B, V] -> [B] int64, like `x.argmax(-1)`."
-    from nanoserve.attention import num_sms, split_counters
     if x.dim() != 2 or x.stride(-1) != 1: raise ValueError("argmax_rows: expected a [B, V] tensor contiguous in V")
     B, V = x.shape
     out = torch.empty(B, dtype=torch.int64, device=x.device)

@@ -3,7 +3,8 @@
 The kernels' own checks (irregular shapes, ratios 1/2/7, block sizes 16/32, split-K, fp32/fp16) live in
 nbs/06_attention.ipynb. This file guards the import-order bug found while wiring the kernels into the engine:
 torch imports triton lazily inside some operations; if that happens before TRITON_INTERPRET is set, triton's own
-`@jit` helpers (tl.max, tl.sum, tl.zeros, tl.cdiv) are compiled-mode functions the interpreter cannot call.
+`@jit` helpers (tl.max, tl.sum, tl.zeros, tl.cdiv) are compiled-mode functions the interpreter cannot call. The
+package never sets the switch: whoever runs it does, here after triton was imported.
 """
 import subprocess
 import sys
@@ -19,6 +20,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch
 import triton                                    # imported first, in compiled mode, as torch may do
 import triton.language as tl
+os.environ["TRITON_INTERPRET"] = "1"             # the switch, set after triton was imported
 from nanoserve.attention import decode_attention, decode_attention_ref, prefill_attention, prefill_attention_ref
 torch.manual_seed(0)
 B, H, KVH, D, bs = 2, 7, 1, 16, 16
