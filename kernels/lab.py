@@ -106,6 +106,17 @@ def time_cuda(fn, reps: int = 20, warmup: int = 3, device=None) -> list[float]:
     return [a.elapsed_time(b) / 1e3 for a, b in events]
 
 
+def time_wall(fn, reps: int = 20, warmup: int = 3, device=None) -> list[float]:
+    """Seconds of each of `reps` calls of `fn` after `warmup` untimed ones, by the host's clock with the device
+    synchronised after each call: what a caller waits for a whole engine step (host work included)."""
+    for _ in range(warmup): fn()
+    sync(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); fn(); sync(device); out.append(time.perf_counter() - t0)
+    return out
+
+
 def disagree(a: float, b: float, threshold: float = FLAG) -> bool:
     "Whether two measurements of one thing differ by more than `threshold` of the smaller."
     lo = min(a, b)
@@ -159,7 +170,7 @@ def out_path(path, args) -> Path:
         if _smoke_dir is None:                   # the driver may name the folder (NANOSERVE_SMOKE_OUT)
             given = os.environ.get("NANOSERVE_SMOKE_OUT")
             _smoke_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="nanoserve-smoke-"))
-            if REPO in _smoke_dir.resolve().parents: raise SystemExit(f"--smoke writes outside the repository: {given}")
+            if REPO in _smoke_dir.resolve().parents: raise SystemExit(f"--smoke must write outside the repository, not into {given}")
         return _smoke_dir / name
     out = getattr(args, "out", None)
     if not out: return Path(path)

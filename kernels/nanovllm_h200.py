@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, REPO, SamplingParams, decoding_engine, device_or_skip, is_smoke, median, meta, out_path,
-                 parser, steady_decode, sync, time_cuda, tiny_model, twice, warm, write)
+                 parser, steady_decode, sync, time_wall, tiny_model, twice, warm, write)
 
 import torch
 
@@ -120,11 +120,12 @@ def run_once(llm, prompts, sp, ledger: bool, keep_prefix_cache: bool = False) ->
 
 
 def decode_batch1(llm, smoke: bool) -> dict:
-    "ms per `LLM.step()` at batch 1 in steady decode (128-token prompt), median of `reps` steps, measured twice."
+    """ms per `LLM.step()` at batch 1 in steady decode (128-token prompt): the host's clock with the device
+    synchronised after each step, median of 200 steps, measured twice."""
     reps, prompt_len = (4, 16) if smoke else (200, 128)
     steady_decode(llm, 1, prompt_len=prompt_len)
     warm(llm.device)
-    a, b, flag = twice(lambda: median(time_cuda(llm.step, reps, warmup=reps // 10, device=llm.device)) * 1e3)
+    a, b, flag = twice(lambda: median(time_wall(llm.step, reps, warmup=reps // 10, device=llm.device)) * 1e3)
     for i in list(llm._requests): llm.abort_request(i)
     print("decode batch 1", round(a, 4), round(b, 4), "ms", "DISAGREE" if flag else "", flush=True)
     return {"ms_per_step": [a, b], "median_ms": median([a, b]), "disagree": flag, "steps_each": reps,
