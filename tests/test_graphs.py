@@ -1,9 +1,11 @@
 "CUDA-graph bookkeeping on the CPU: buckets, padding, static buffers (replay itself is checked on the H200)."
+import dataclasses
 import functools
 
 import pytest
 import torch
 
+from nanoserve.attention import paged_attention
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, graph_token_sizes, pick_bucket
 from nanoserve.tokenizer import ensure_default_model
@@ -82,7 +84,7 @@ def test_mixed_graphs_refuse_bad_input():
     llm = LLM(TINY, dtype="float32", enforce_eager=True, num_kv_blocks=16, max_num_seqs=2)
     with pytest.raises(ValueError, match="Triton attention"):
         MixedGraphs(llm.model, llm.runner.kv_caches, [16], 2, 64, 16, llm.device, capture=False)
-    llm.model.set_attention_backend("triton")
+    llm.model.set_kernels(dataclasses.replace(llm.model.kernels, attention=paged_attention))
     with pytest.raises(ValueError, match="increasing"):
         MixedGraphs(llm.model, llm.runner.kv_caches, [16, 16], 2, 64, 16, llm.device, capture=False)
     with pytest.raises(ValueError, match="CUDA device"):
@@ -118,9 +120,9 @@ def test_compile_kernels_runs_every_split_variant():
 def test_one_launch_load_gives_the_eager_tokens(monkeypatch):
     """`load_step` (the step's integers, block tables and feed in one kernel; on by default on a GPU) forced on the
     CPU through the interpreter: the static-buffer path still gives the eager tokens, and it was the path taken."""
-    import nanoserve.fused as fused
+    import nanoserve.graphs as graphs
     calls = []
-    real_init, real_load_step = DecodeGraphs.__init__, fused.load_step
+    real_init, real_load_step = DecodeGraphs.__init__, graphs.load_step
     def init(self, *a, **k):
         real_init(self, *a, **k)
         self.load_step_kernel = True
@@ -128,7 +130,7 @@ def test_one_launch_load_gives_the_eager_tokens(monkeypatch):
         calls.append(a[5] is not None if len(a) > 5 else k.get("feed") is not None)
         return real_load_step(*a, **k)
     monkeypatch.setattr(DecodeGraphs, "__init__", init)
-    monkeypatch.setattr(fused, "load_step", counting)
+    monkeypatch.setattr(graphs, "load_step", counting)    # the name the graphs module calls
     eager = _eager_tokens(0.0)
     padded, replays = _tokens(True, async_scheduling=True)   # async: steps take the previous step's samples on device
     assert padded == eager
@@ -138,7 +140,6 @@ def test_one_launch_load_gives_the_eager_tokens(monkeypatch):
 def test_graph_step_packs_block_tables_from_bytes_as_from_lists():
     """Decodes hand their block tables over as int64 bytes (`block_table_bytes`); a step packed from them equals the
     same step packed from the lists (`block_table_bytes=None`), padding rows and all; tables of different lengths."""
-    import dataclasses
     llm = LLM(TINY, dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
     for i, n in enumerate((5, 40, 17)):                               # 1, 3 and 2 blocks of 16
         llm.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
