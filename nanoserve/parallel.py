@@ -25,11 +25,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dataclasses import dataclass
+
 from .model import ModelConfig, Qwen2ForCausalLM, load_model
+from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
+
 
 # %% auto #0
-__all__ = ['check_tensor_parallel', 'RowParallelLinear', 'VocabParallelEmbedding', 'gather_vocab', 'shard_model', 'load_shard',
-           'TensorParallel']
+__all__ = ['check_tensor_parallel', 'ParallelConfig', 'RowParallelLinear', 'VocabParallelEmbedding', 'gather_vocab',
+           'shard_model', 'load_shard', 'TensorParallelStart', 'TensorParallel']
 
 # %% ../nbs/11_tensor_parallel.ipynb #00ea445a
 def check_tensor_parallel(cfg: ModelConfig, world_size: int, device: torch.device) -> None:
@@ -45,6 +49,19 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int, device: torch.devic
             raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs; this machine has {n}")
     elif device.type != "cpu":
         raise ValueError(f"tensor parallelism runs on cuda (NCCL) or cpu (gloo), not {device.type}")
+
+# %% ../nbs/11_tensor_parallel.ipynb #97fe80d5
+@dataclass(frozen=True)
+class ParallelConfig:
+    "How many processes (one per GPU) split one engine's model, and how long any of them may go silent."
+    tensor_parallel_size: int = 1
+    timeout_s: float = 600.0          # a worker that sends nothing for this long is an error, not a hang
+
+    def __post_init__(self):
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if not self.timeout_s > 0: raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
 
 # %% ../nbs/11_tensor_parallel.ipynb #f91e5193
 class RowParallelLinear(nn.Module):
@@ -141,24 +158,21 @@ def shard_model(model: Qwen2ForCausalLM, rank: int, world_size: int, group=None)
     model.logits_gather = lambda logits: gather_vocab(logits, cfg.vocab_size, group)
     return model
 
-# %% ../nbs/11_tensor_parallel.ipynb #e49fa89b
+# %% ../nbs/11_tensor_parallel.ipynb #baddfc7b
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_TIMEOUT", 600))
-
-
-def _init_group(device: torch.device, rank: int, world_size: int, port: int) -> None:
+def _init_group(device: torch.device, rank: int, world_size: int, port: int, timeout_s: float) -> None:
     "Join the default process group: NCCL between GPUs, gloo between CPU processes."
     for k, v in _NO_MULTICAST.items(): os.environ.setdefault(k, v)       # never NVLink multicast (the device notes)
     if dist.is_initialized(): raise RuntimeError("a torch.distributed process group already exists in this process")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=_TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
     if device.type == "cuda":                 # the first collective runs eagerly, before any graph capture
         t = torch.ones(1, device=device)
         dist.all_reduce(t)
         torch.cuda.synchronize(device)
 
-
+# %% ../nbs/11_tensor_parallel.ipynb #07575915
 def load_shard(model_dir, dtype: torch.dtype | None, device: torch.device, rank: int, world_size: int,
                group=None) -> Qwen2ForCausalLM:
     "Load the checkpoint on the CPU, keep rank `rank`'s shard, move it to `device`."
@@ -167,29 +181,28 @@ def load_shard(model_dir, dtype: torch.dtype | None, device: torch.device, rank:
 
 
 def _worker(spec: dict) -> None:
-    from nanoserve.engine import ModelRunner, kv_cache_blocks
     rank, world_size = spec["rank"], spec["world_size"]
     conn = Client(spec["address"], family="AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
     conn.send(rank)
     try:
         device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
         if device.type == "cuda": torch.cuda.set_device(device)
-        _init_group(device, rank, world_size, spec["port"])
+        _init_group(device, rank, world_size, spec["port"], spec["timeout_s"])
         dtype = getattr(torch, spec["dtype"]) if spec["dtype"] else None
         model = load_shard(spec["model_dir"], dtype, device, rank, world_size)
-        model.set_attention_backend(spec["attention_backend"])
-        model.set_fused_kernels(spec["fused_kernels"], spec.get("row_gemv"), spec.get("pdl", False))
+        kernels = KernelConfig(**spec["kernels"])       # resolved by rank 0, for every rank alike
+        model.set_kernels(model_kernels(kernels))
         dtype = model.norm.weight.dtype
         conn.send(("loaded", None))
         cfg, bs = model.config, spec["block_size"]
         max_model_len = min(spec["max_model_len"] or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_blocks = spec["num_kv_blocks"] or kv_cache_blocks(
             model, device, dtype, bs, spec["utilization"], spec["max_num_batched_tokens"], spec["max_num_seqs"],
-            max_model_len, spec["use_cuda_graphs"])[0]
+            max_model_len, kernels.cuda_graphs)[0]
         conn.send(("kv_blocks", num_blocks))
         _, num_blocks, max_model_len, graph_sizes = conn.recv()          # ("runners", ...) from rank 0
-        runner = ModelRunner(model, num_blocks, bs, device, dtype)
-        if device.type == "cuda" and spec["attention_backend"] == "triton": runner.compile_kernels()
+        runner = ModelRunner(model, num_blocks, bs, device, dtype, kernels)
+        if device.type == "cuda" and kernels.attention_backend == "triton": runner.compile_kernels()
         if graph_sizes: runner.enable_graphs(graph_sizes[0], max_model_len, token_sizes=graph_sizes[1])
         conn.send(("ready", None))
         while True:
@@ -207,98 +220,11 @@ def _worker(spec: dict) -> None:
         sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
     _leave_group()
 
-# %% ../nbs/11_tensor_parallel.ipynb #9757859d
+# %% ../nbs/11_tensor_parallel.ipynb #4cd53125
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class TensorParallel:
-    "Rank 0's side: starts the workers, exchanges set-up messages, sends every step."
-
-    def __init__(self, model_dir, world_size: int, device: torch.device, spec: dict):
-        self.model_dir, self.world_size = Path(model_dir), world_size
-        check_tensor_parallel(ModelConfig.from_model_dir(self.model_dir), world_size, device)
-        self.device = torch.device("cuda", 0) if device.type == "cuda" else torch.device("cpu")
-        if self.device.type == "cuda": torch.cuda.set_device(self.device)
-        self.procs, self.conns, self._closed = [], {}, False
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.device.type == "cuda")
-        authkey = secrets.token_bytes(16)
-        listener = Listener(family="AF_UNIX", authkey=authkey)
-        port = _free_port()
-        env = {**os.environ, **_NO_MULTICAST}
-        root = str(Path(__file__).resolve().parent.parent)        # so `-m nanoserve.parallel` finds this package
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        try:
-            for rank in range(1, world_size):
-                worker_spec = {**spec, "rank": rank, "world_size": world_size, "device": self.device.type,
-                               "model_dir": str(self.model_dir), "port": port, "address": listener.address,
-                               "authkey": authkey.hex()}
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", json.dumps(worker_spec)],
-                                                   env=env))
-            self._accept(listener)
-        finally:
-            listener.close()
-        _init_group(self.device, 0, world_size, port)
-
-    def _accept(self, listener) -> None:
-        "Each worker connects and says its rank; a worker that exits first is an error, not a hang."
-        def accept():
-            for _ in self.procs:
-                c = listener.accept()
-                self.conns[c.recv()] = c
-        t = threading.Thread(target=accept, daemon=True)
-        t.start()
-        deadline = time.monotonic() + _TIMEOUT_S
-        while t.is_alive():
-            t.join(0.05)
-            self._check_alive()
-            if time.monotonic() > deadline: raise RuntimeError("tensor-parallel workers did not connect in time")
-
-    def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            if p.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode} (its error is above)")
-
-    def _recv(self, rank: int, kind: str):
-        "The next message of `rank`, which must be `kind`; raises if the worker failed or exited."
-        conn, deadline = self.conns[rank], time.monotonic() + _TIMEOUT_S
-        while not conn.poll(0.05):
-            self._check_alive()
-            if time.monotonic() > deadline: raise RuntimeError(f"tensor-parallel rank {rank}: no {kind!r} in time")
-        try: msg = conn.recv()
-        except EOFError: self._check_alive(); raise RuntimeError(f"tensor-parallel rank {rank} closed its connection")
-        if msg[0] == "error": raise RuntimeError(f"tensor-parallel rank {rank} failed: {msg[1]}")
-        if msg[0] != kind: raise RuntimeError(f"tensor-parallel rank {rank}: expected {kind!r}, got {msg[0]!r}")
-        return msg[1]
-
-    def load_model(self, dtype: torch.dtype | None) -> Qwen2ForCausalLM:
-        "Rank 0's shard, once every worker has loaded its own."
-        model = load_shard(self.model_dir, dtype, self.device, 0, self.world_size)
-        for rank in self.conns: self._recv(rank, "loaded")
-        return model
-
-    def agree_num_kv_blocks(self, num_blocks: int) -> int:
-        "The smallest KV block count of all ranks (each sized its own cache from its own free memory)."
-        return min([num_blocks] + [self._recv(rank, "kv_blocks") for rank in self.conns])
-
-    def start_runners(self, num_blocks: int, max_model_len: int, graph_sizes: tuple[list, list] | None) -> None:
-        for c in self.conns.values(): c.send(("runners", num_blocks, max_model_len, graph_sizes))
-
-    def wait_ready(self) -> None:
-        for rank in self.conns: self._recv(rank, "ready")
-
-    def send_step(self, inputs) -> None:
-        "Send one step's `StepInputs` to every worker (pickled once)."
-        self._check_alive()
-        data = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
-        for c in self.conns.values(): c.send_bytes(data)
-
-    def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
 
 
 def _leave_group(timeout_s: float = 20.0, abort: bool = False) -> None:
@@ -328,6 +254,98 @@ def _shutdown(procs: list, conns: dict, abort: bool = False) -> None:
         except subprocess.TimeoutExpired: p.kill(); p.wait()
     for c in conns.values(): c.close()
     _leave_group(abort=abort)
+
+# %% ../nbs/11_tensor_parallel.ipynb #57d6fab0
+class TensorParallelStart:
+    "Rank 0's side, starting: the workers launched, connected, and their messages received."
+
+    def __init__(self, model_dir, config: ParallelConfig, device: torch.device, spec: dict):
+        world_size, self.timeout_s = config.tensor_parallel_size, config.timeout_s
+        self.model_dir, self.world_size = Path(model_dir), world_size
+        check_tensor_parallel(ModelConfig.from_model_dir(self.model_dir), world_size, device)
+        self.device = torch.device("cuda", 0) if device.type == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda": torch.cuda.set_device(self.device)
+        self.procs, self.conns, self._closed = [], {}, False
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.device.type == "cuda")
+        authkey = secrets.token_bytes(16)
+        listener = Listener(family="AF_UNIX", authkey=authkey)
+        port = _free_port()
+        env = {**os.environ, **_NO_MULTICAST}
+        root = str(Path(__file__).resolve().parent.parent)        # so `-m nanoserve.parallel` finds this package
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            for rank in range(1, world_size):
+                worker_spec = {**spec, "rank": rank, "world_size": world_size, "device": self.device.type,
+                               "model_dir": str(self.model_dir), "port": port, "address": listener.address,
+                               "authkey": authkey.hex(), "timeout_s": self.timeout_s}
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", json.dumps(worker_spec)],
+                                                   env=env))
+            self._accept(listener)
+        finally:
+            listener.close()
+        _init_group(self.device, 0, world_size, port, self.timeout_s)
+
+    def _accept(self, listener) -> None:
+        "Each worker connects and says its rank; a worker that exits first is an error, not a hang."
+        def accept():
+            for _ in self.procs:
+                c = listener.accept()
+                self.conns[c.recv()] = c
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        deadline = time.monotonic() + self.timeout_s
+        while t.is_alive():
+            t.join(0.05)
+            self._check_alive()
+            if time.monotonic() > deadline: raise RuntimeError("tensor-parallel workers did not connect in time")
+
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode} (its error is above)")
+
+    def _recv(self, rank: int, kind: str):
+        "The next message of `rank`, which must be `kind`; raises if the worker failed or exited."
+        conn, deadline = self.conns[rank], time.monotonic() + self.timeout_s
+        while not conn.poll(0.05):
+            self._check_alive()
+            if time.monotonic() > deadline: raise RuntimeError(f"tensor-parallel rank {rank}: no {kind!r} in time")
+        try: msg = conn.recv()
+        except EOFError: self._check_alive(); raise RuntimeError(f"tensor-parallel rank {rank} closed its connection")
+        if msg[0] == "error": raise RuntimeError(f"tensor-parallel rank {rank} failed: {msg[1]}")
+        if msg[0] != kind: raise RuntimeError(f"tensor-parallel rank {rank}: expected {kind!r}, got {msg[0]!r}")
+        return msg[1]
+
+# %% ../nbs/11_tensor_parallel.ipynb #f2b889c3
+class TensorParallel(TensorParallelStart):
+    "Rank 0's side: starts the workers, exchanges set-up messages, sends every step."
+
+    def load_model(self, dtype: torch.dtype | None) -> Qwen2ForCausalLM:
+        "Rank 0's shard, once every worker has loaded its own."
+        model = load_shard(self.model_dir, dtype, self.device, 0, self.world_size)
+        for rank in self.conns: self._recv(rank, "loaded")
+        return model
+
+    def agree_num_kv_blocks(self, num_blocks: int) -> int:
+        "The smallest KV block count of all ranks (each sized its own cache from its own free memory)."
+        return min([num_blocks] + [self._recv(rank, "kv_blocks") for rank in self.conns])
+
+    def start_runners(self, num_blocks: int, max_model_len: int, graph_sizes: tuple[list, list] | None) -> None:
+        for c in self.conns.values(): c.send(("runners", num_blocks, max_model_len, graph_sizes))
+
+    def wait_ready(self) -> None:
+        for rank in self.conns: self._recv(rank, "ready")
+
+    def send_step(self, inputs) -> None:
+        "Send one step's `StepInputs` to every worker (pickled once)."
+        self._check_alive()
+        data = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
+        for c in self.conns.values(): c.send_bytes(data)
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
 
 # %% ../nbs/11_tensor_parallel.ipynb #8e378ebc
 if __name__ == "__main__" and len(sys.argv) == 2:      # `python -m nanoserve.parallel SPEC_JSON`: one worker
