@@ -26,8 +26,8 @@ import graphs_h200 as G                                      # noqa: E402  (stea
 import mixed_graphs_h200 as M                                # noqa: E402  (offline runs, nano-vllm workload)
 from nanoserve.bench import random_checkpoint                # noqa: E402
 
-G.CONFIGS.update({"sync": dict(fused_kernels=True, async_scheduling=False),
-                  "async": dict(fused_kernels=True, async_scheduling=True)})
+CONFIGS = {"sync": dict(fused_kernels=True, async_scheduling=False),      # name -> LLM keyword overrides
+           "async": dict(fused_kernels=True, async_scheduling=True)}
 
 
 def parity(model_dir, res):
@@ -46,7 +46,7 @@ def parity(model_dir, res):
 
 def step_rate(model_dir, res, shape, batches, num_steps=200):
     "Steps per second, sync against async (graphs_h200.step_rates), into res['step_rate']."
-    G.step_rates(model_dir, res, shape, batches, [(c, G.CONFIGS[c]) for c in ("sync", "async")], "step_rate",
+    G.step_rates(model_dir, res, shape, batches, list(CONFIGS.items()), "step_rate",
                  num_steps, warm_s=1.5)
 
 
@@ -54,7 +54,7 @@ def kernel_names(model_dir, res, batches=(1, 64), steps=16):
     "Device kernels of steady decode steps (async, graphs, fused) grouped by name: which ones a step is made of."
     from collections import Counter
     from nanoserve.measure import event_record, is_device_kernel, profile_run, warm_gpu
-    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), **G.CONFIGS["async"])
+    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), **CONFIGS["async"])
     out = {}
     for b in batches:
         G.steady_decode(llm, b)
@@ -79,8 +79,8 @@ def main():
     common = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
     parts = {
         "parity": lambda: parity(d05, res),
-        "decode": lambda: G.decode_rows(d05, res, "0.5B", ["sync", "async"], [1, 8, 64, 256], "decode", 30),
-        "7b": lambda: G.decode_rows(G.fast_random_checkpoint("7B"), res, "7B", ["sync", "async"], [1, 8], "decode", 20),
+        "decode": lambda: G.decode_rows(d05, res, "0.5B", CONFIGS, [1, 8, 64, 256], "decode", 30),
+        "7b": lambda: G.decode_rows(G.fast_random_checkpoint("7B"), res, "7B", CONFIGS, [1, 8], "decode", 20),
         "offline": lambda: M.offline(d05, res, configs=[
             ("continuous, async", "continuous", {"async_scheduling": True}),
             ("static:32, async", "static:32", {"async_scheduling": True}),

@@ -6,8 +6,8 @@ Writes diet_h200.json (raw numbers, git sha, GPU, versions, date) to --out after
 figures/data/.
 
 Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused kernels, async scheduling):
-1. profile: at batch 1 and 64 in steady decode, for each configuration (the defaults; `row_gemv=False`; in the
-   first run, the decode kernel's split merge in a second kernel), one profiled window of 32 steps: each kernel name's count and
+1. profile: at batch 1 and 64 in steady decode, for each configuration (the defaults and each control of
+   `--controls`), one profiled window of 32 steps: each kernel name's count and
    device microseconds per step, its share of the step's chain (`marginal_us_by_name`: kernels in start order, each
    credited with how far its end moves the latest end so far; under programmatic dependent launch spans overlap, and
    these shares add up to the step), the sum of kernel time, the wall time per step, and the step ledger's host phases
@@ -20,27 +20,22 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    reference at split counts 1..16;
 3. gemv: the one-row projections of the 0.5B and 7B shapes, cuBLAS against the fused-kernels chapter's `gemv`
    (its rule, candidate blocks, split counts), each timed in CUDA graphs over weight copies that defeat L2; the
-   best per shape goes into `nanoserve.fused.GEMV_CONFIGS` for the parts after it, and is recorded;
+   best per shape is recorded (a proposal for the package's table, which the script never changes);
 4. splits: the decode-attention kernel alone for batch x context cases and split counts 1..16 (CUDA graphs
    over KV-cache copies), against the split the package's rule picks;
 6. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), three runs;
 5. rate / rate256 / rate7b: ms per step (back to back, one sync per pass, two passes) with the defaults and with
    the control (`--control row_gemv`: `row_gemv=False`, cuBLAS; `--control pdl`: `pdl=False`, no programmatic
    dependent launch), 0.5B at batch 1, 8, 64 and 7B at batch 1; rate7bq: the 7B at batch 1 quantized, INT8 and
-   INT4, with the defaults and the control, and the module-level controls "int8 gemv only" (no tensor-core GEMM
-   at one row), "int4 no words" (the table from before the words path), "int4 no pairs" (the words path in fp32),
-   "int4 table" and "int8 table" (the package's one-row tables, whatever `int4words` kept earlier in the run);
+   INT4, with the defaults and the control, and with the LM head quantized too;
 7. gemvpdl: the one-row projections' `gemv` (the tuned configs) timed back to back in CUDA graphs with and without
    programmatic dependent launch;
-8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM; int4words: the 7B INT4
-   projections' words path (1, 2 or 4 groups a K tile) and the INT8 QKV and output projections, swept over blocks
-   and splits against the package's table, the faster configs kept for the parts after it (so `int4words,rate7bq`
-   times the step with them).
+8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM.
 9. profileb1: the profile at batch 1 alone, for the defaults and each control; profile7bq: the 7B at batch 1, bf16,
    INT4, and INT4 with the LM head quantized; gemv05: the gemv sweep for the 0.5B
    shapes only (1024-wide K tiles tried first); rate1b / rate7bb: as rate / rate7b, under "rate_after";
-10. ab / ab7b: an interleaved A/B: the defaults and the batch-1 path before the sixth round of the CUDA-graphs
-   chapter (RoPE in its own kernel, torch's argmax, the previous 0.5B gemv table) both built first, then timed in
+10. ab / ab7b: an interleaved A/B: the defaults and a control (`--before`: a configuration name whose phrases
+   are engine overrides, e.g. "rope_cache, torch argmax" or "norm kernel, fp32 logits, loads apart") both built first, then timed in
    alternating passes, new sequences each round (0.5B: batch 1 and 64, prompts of 128 and 2,000; 7B: batch 1).
    Parity also checks the decode kernel with RoPE inside against `rope_cache` + the decode kernel, and
    `argmax_rows` against torch. Controls of the sixth round: `rope` ("rope_cache"), `argmax` ("torch argmax"),
@@ -53,97 +48,38 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import graphs_h200 as G                                      # noqa: E402  (steady decode, run_parts)
+import graphs_h200 as G                                      # noqa: E402  (steady decode, step rates, graph_bench)
 import mixed_graphs_h200 as M                                # noqa: E402  (nano-vllm's workload)
-from nanoserve.bench import random_checkpoint, run_meta      # noqa: E402
+from lab import meta                                         # noqa: E402
+from nanoserve.bench import random_checkpoint                # noqa: E402
 from nanoserve.engine import StepLedger                      # noqa: E402
-from nanoserve.attention import decode_attention as ORIGINAL_DECODE   # noqa: E402
-from nanoserve.attention import choose_num_splits as ORIGINAL_SPLITS   # noqa: E402
-from nanoserve.quant import FEW_ROWS_GEMM, GEMV_OVERRIDES, TUNED_GEMV  # noqa: E402
 
-ORIGINAL_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)              # what `int4words` keeps (it may drop INT8 layers)
-PACKAGE_FEW_ROWS_GEMM = dict(FEW_ROWS_GEMM)               # the package's, the "int8 table" control
-INT8_TABLE = {k: dict(v) for k, v in TUNED_GEMV.items() if k[0] == "int8"}
-INT8_NOW = dict(INT8_TABLE)                                # what `int4words` keeps
-# INT4 one-row configs: the package's (words of nibbles; the int4words part updates them), and the tuned table
-# before the words path (git 5b2a79f, quant_h200.json), the control
-INT4_WORDS = {k: v for k, v in GEMV_OVERRIDES.items() if k[0] == "int4"}
-INT4_TABLE = {k: dict(v) for k, v in TUNED_GEMV.items() if k[0] == "int4"}     # the package's, whatever a sweep keeps
-INT4_BEFORE_WORDS = {("int4", *map(int, k.split()[1].split("x"))): v for k, v in json.loads(
-    (Path(__file__).parent.parent / "figures/data/quant_h200.json").read_text())["gemv_overrides"].items()
-    if k.startswith("int4")}
+# The controls a configuration's name asks for, as engine overrides (`LLM(..., **controls(name))`): each phrase in
+# the name turns one of the engine's kernel fields to its control value.
+CONTROL_PHRASES = (("fp32 logits", "fp32_logits", True),        # an fp32 logits buffer, the LM head cast into it
+                   ("loads apart", "load_step_kernel", False),  # two copies and `apply_feed` before a replay
+                   ("rope_cache", "rope_in_decode", False),     # `rope_cache` before the decode kernel
+                   ("torch argmax", "fast_argmax", False),      # torch's argmax in the sampler
+                   ("norm kernel", "norm_in_gemv", False))      # `add_rmsnorm`'s own launch before `gemv`
 
 
-def with_decode_merge(in_kernel: bool, splits: int | None = None):
-    """The decode kernel's split merge in the kernel (now) or in `decode_reduce_kernel` (the control); the split
-    rule's count, or a fixed one."""
-    import functools
-    import nanoserve.attention as A
-    A.decode_attention = functools.partial(ORIGINAL_DECODE, merge_in_kernel=in_kernel)
-    A.choose_num_splits = ORIGINAL_SPLITS if splits is None else (lambda *a, **k: splits)
+def controls(cname: str) -> dict:
+    "The `LLM` keyword overrides of the controls named in `cname` (none for the defaults)."
+    return {field: value for phrase, field, value in CONTROL_PHRASES if phrase in cname}
 
-
-def with_words(on: bool):
-    "INT4 one-row GEMV configs: words of nibbles (now), or the tuned table from before them (the control)."
-    GEMV_OVERRIDES.update(INT4_WORDS if on else INT4_BEFORE_WORDS)
-
-
-def with_int4_table(on: bool):
-    "The package's INT4 one-row table (the control of what `int4words` kept in this run): its entries, no others."
-    if on:
-        GEMV_OVERRIDES.update(INT4_TABLE)
-        for k in [k for k in GEMV_OVERRIDES if k[0] == "int4" and k not in INT4_TABLE]: del GEMV_OVERRIDES[k]
-
-
-def with_pairs(on: bool):
-    "INT4's one-row words path in packed bf16 pairs (`HALF2`, now) or in fp32 (the control)."
-    from nanoserve.quant import WORDS_RULE
-    for k in [k for k in GEMV_OVERRIDES if k[0] == "int4" and "HALF2" in GEMV_OVERRIDES[k]]:
-        GEMV_OVERRIDES[k] = {**GEMV_OVERRIDES[k], "HALF2": on}
-    WORDS_RULE["HALF2"] = on
-
-
-def with_int8(table: bool, gemv_only: bool):
-    """INT8 at one row: the configs and `FEW_ROWS_GEMM` that `int4words` kept (now) or the package's (the "int8
-    table" control); with `gemv_only` no layer takes the tensor-core GEMM (the "int8 gemv only" control)."""
-    GEMV_OVERRIDES.update(INT8_TABLE if table else INT8_NOW)
-    if table:                                                   # the package's entries, no others
-        for k in [k for k in GEMV_OVERRIDES if k[0] == "int8" and k not in INT8_TABLE]: del GEMV_OVERRIDES[k]
-    FEW_ROWS_GEMM.clear()
-    if not gemv_only: FEW_ROWS_GEMM.update(PACKAGE_FEW_ROWS_GEMM if table else ORIGINAL_FEW_ROWS_GEMM)
-
-
-def patched(cname: str):
-    "The module-level controls a configuration's name asks for."
-    with_decode_merge(not cname.startswith("reduce kernel"), int(cname.split()[1]) if cname.startswith("splits ") else None)
-    with_int8(cname.endswith("int8 table"), cname.endswith("gemv only"))
-    with_words(not cname.endswith("no words"))
-    with_int4_table(cname.endswith("int4 table"))
-    with_pairs(not cname.endswith("no pairs"))
-    import nanoserve.attention as A, nanoserve.engine as E, nanoserve.fused as F, nanoserve.graphs as GR
-    GR.FP32_LOGITS = "fp32 logits" in cname               # the control: an fp32 logits buffer, the LM head cast in
-    GR.LOAD_STEP_KERNEL = "loads apart" not in cname      # the control: two copies and `apply_feed` before a graph
-    A.ROPE_IN_DECODE = "rope_cache" not in cname          # the control: `rope_cache` before the decode kernel
-    E.FAST_ARGMAX = "torch argmax" not in cname           # the control: torch's argmax in the sampler
-    F.NORM_IN_GEMV = "norm kernel" not in cname           # the control: `add_rmsnorm`'s own launch before `gemv`
 
 
 def rates(model_dir, res, shape, batches, configs, key="rate"):
-    "`graphs_h200.step_rates` per configuration, with its module-level controls patched in; rows under `key`."
-    for c in configs:
-        patched(c[0])
-        G.step_rates(model_dir, res, shape, batches, [c], key)
-    patched("defaults")
+    "`graphs_h200.step_rates` per configuration, its named controls passed to the engine; rows under `key`."
+    for cname, kw in configs:
+        G.step_rates(model_dir, res, shape, batches, [(cname, {**kw, **controls(cname)})], key)
 
 
 def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(("defaults", {}),)):
-    """`configs`: (name, LLM keyword arguments); a name starting "reduce kernel" runs the decode kernel's split
-    merge in its second kernel (the control of the in-kernel merge)."""
+    "`configs`: (name, LLM keyword arguments); the controls the name gives are passed to the engine too."
     for cname, kw in configs:
-        patched(cname)
         profile_config(model_dir, res.setdefault("profile", {}).setdefault(cname, {}), batches, steps, rate_steps,
-                       cname, kw)
-    patched("defaults")
+                       cname, {**kw, **controls(cname)})
 
 
 def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
@@ -279,43 +215,29 @@ def parity(model_dir, res):
     res["parity"] = out
 
 
-BEFORE_GEMV = {(1152, 896): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "num_stages": 3, "SPLIT_K": 1},
-               (896, 896): {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1},
-               (896, 4864): {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "SPLIT_K": 5}}
-
-
 def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt_lens=(128,), before="norm kernel"):
-    """The engine's defaults against the path before this round (the configuration named `before`, with its
-    module-level controls: "norm kernel", or the sixth round's "rope_cache, torch argmax", which also takes the
-    previous 0.5B `gemv` table; each engine captured under its own settings), both built first, then timed in
+    """The engine's defaults against a control (the configuration named `before`, its controls passed to its engine:
+    e.g. "norm kernel", "rope_cache, torch argmax"; each engine captured under its own settings), both built first, then timed in
     alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept.
     Every round starts new sequences (prompts of `prompt_lens`), so each pass decodes over the same contexts."""
-    from nanoserve.fused import GEMV_CONFIGS
     from nanoserve.measure import warm_gpu
-    now = {k: dict(v) for k, v in GEMV_CONFIGS.items()}
     engines, cname = {}, {"defaults": "defaults", "before": before}
     for name in ("defaults", "before"):
-        patched(cname[name])
-        GEMV_CONFIGS.update(BEFORE_GEMV if name == "before" and before == "rope_cache, torch argmax" else now)
         engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
-                              max_num_seqs=max(batches), max_num_batched_tokens=2048)
-    GEMV_CONFIGS.update(now)
-    patched("defaults")
+                              max_num_seqs=max(batches), max_num_batched_tokens=2048, **controls(cname[name]))
     out = res.setdefault("interleaved", [])
     for b, plen in ((b, p) for p in prompt_lens for b in batches):
         row = {"shape": shape, "batch": b, "prompt_len": plen, "before": before, "ms_per_step": {n: [] for n in engines}}
         for _ in range(rounds):
             for name, llm in engines.items():                  # the same contexts every round (+ 220)
-                patched(cname[name]); G.steady_decode(llm, b, plen)
+                G.steady_decode(llm, b, plen)
             for name, llm in engines.items():
-                patched(cname[name])                           # flags read at every step, outside the graphs
                 warm_gpu(0.3, llm.device)
                 for _ in range(20): llm.step()
                 torch.cuda.synchronize(); t0 = time.perf_counter()
                 for _ in range(steps): llm.step()
                 torch.cuda.synchronize()
                 row["ms_per_step"][name].append((time.perf_counter() - t0) / steps * 1e3)
-        patched("defaults")
         med = {n: sorted(v)[len(v) // 2] for n, v in row["ms_per_step"].items()}
         row["median_ms"], row["ratio_before_over_defaults"] = med, med["before"] / med["defaults"]
         row["passes_disagree"] = {n: max(v) > 1.15 * min(v) for n, v in row["ms_per_step"].items()}
@@ -336,17 +258,14 @@ def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits", before_first=Fal
     reqs, sp = nanovllm_requests()
     cname, engines = {"defaults": "defaults", "before": before}, {}
     for name in (reversed(list(cname)) if before_first else cname):          # `before_first`: built first
-        patched(cname[name])
         engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=36000, max_num_seqs=256,
-                              max_num_batched_tokens=16384)
+                              max_num_batched_tokens=16384, **controls(cname[name]))
     tps = {n: [] for n in cname}
     for i in range(rounds):                                    # ABBA...: neither always runs first
         for name in (list(cname) if i % 2 == 0 else list(reversed(cname))):
             llm = engines[name]
-            patched(cname[name])
             n, times, _ = timed_generate(llm, reqs, sp, 1, name)
             tps[name].append(n / times[0])
-    patched("defaults")
     med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
     res[key] = {"before": before, "before_built_first": before_first, "output_tokens": n,
                 "numerator": "output tokens actually generated", "output_tokens_per_s": tps, "median": med,
@@ -360,7 +279,7 @@ def logits_micro(res, reps=50):
     """The LM head and greedy argmax of the 0.5B shape at 1, 16, 64 and 256 rows, each way round: bf16 logits written
     by the product (`torch.mm(out=)`, the defaults) against `F.linear` cast into an fp32 buffer (the control); us per
     call from CUDA events over `reps` calls, each way timed twice, alternating."""
-    from nanoserve.engine import _argmax
+    from nanoserve.runner import _argmax
     torch.manual_seed(3)
     V, H = 151936, 896
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -396,11 +315,9 @@ def batch1_parity(model_dir, prompts):
         for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
                          ("defaults", {}), ("norm kernel, fp32 logits, loads apart", {})):
             if name == "eager" and dtype == "bfloat16": continue
-            patched(name if name != "eager" else "defaults")
-            llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw)
+            llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw, **controls(name))
             toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
             del llm; torch.cuda.empty_cache()
-        patched("defaults")
         d = toks["defaults"]
         out[dtype] = {n: sum(x == y for x, y in zip(d, t)) for n, t in toks.items() if n != "defaults"}
         out[dtype]["sequences"] = len(d)
@@ -466,7 +383,7 @@ def rope_in_decode_parity():
 
 def layer_shapes(shape):
     "(name, N, K, act, bias) of one layer's projections, as `gemv` takes them (down_proj with the activation)."
-    from nanoserve.bench import SHAPES
+    from nanoserve.model import SHAPES
     c = SHAPES[shape]
     h, i, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
     d = h // heads
@@ -494,12 +411,11 @@ def quantized_copies(w: torch.Tensor, method: str):
 
 def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
     """One-row projections: cuBLAS (F.linear; down_proj: silu_mul + F.linear) against `gemv` with its rule and
-    candidate blocks, each timed by graph_bench; the best config per shape goes into GEMV_CONFIGS (so the later
-    parts run with it) and is recorded. Also each shape's error against an fp32 reference."""
+    candidate blocks (the first, `{}`, is the package's own choice), each timed by graph_bench; the best config per
+    shape is recorded, not applied (the package's table, nanoserve/tables/gemv.json, is data: a sweep proposes, a
+    commit changes it). Also each shape's error against an fp32 reference."""
     import torch.nn.functional as F
-    from nanoserve.fused import GEMV_CONFIGS, gemv, gemv_config, silu_mul
-    for shape in shapes:                               # the swept shapes start from the rule; others keep the table
-        for _, N, K, _, _ in layer_shapes(shape): GEMV_CONFIGS.pop((N, K), None)
+    from nanoserve.fused import gemv, gemv_config, silu_mul
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = res["gemv"] = {"timer": "graph_bench (us per call)", "rows": [], "chosen": {}, "pdl": pdl}
     cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for k in (1024, 512, 256, 128) for n in (8, 16, 32)
@@ -531,13 +447,12 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
             row["gemv_us"].append({**c, "us": us})
             if us < best[0]: best = (us, c)
         chosen = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
-        GEMV_CONFIGS[(row["N"], row["K"])] = chosen
+        out["chosen"][f"{row['N']}x{row['K']}"] = chosen
         row["chosen"], row["chosen_us"] = chosen, best[0]
         row["speedup_vs_cublas"] = min(row["cublas_us"]) / best[0]
         row["GBps"] = nbytes / (best[0] * 1e-6) / 1e9
         print("gemv", row["shape"], row["layer"], f"cublas {min(row['cublas_us']):.1f} us, gemv {best[0]:.1f} us",
               chosen, f"err {row['rel_err_vs_fp32']:.1e}", flush=True)
-    out["chosen"] = {f"{n}x{k}": c for (n, k), c in GEMV_CONFIGS.items()}
     del layers; torch.cuda.empty_cache()
 
 
@@ -605,93 +520,12 @@ def quant_one_row(res, budget_s=60.0):
         del w; torch.cuda.empty_cache()
 
 
-def int4_words(res, budget_s=100.0, methods=("int4", "int8"), shape="7B"):
-    """The 7B INT4 projections at one row: the words-of-nibbles path (`WORDS`: the nibble trick, the late PDL
-    launch, 1, 2 or 4 groups a K tile; or `HALF2`, packed bf16 pairs in PTX, a group a tile, with the zero point
-    inside the pairs (`ZPAIR`) or not and the lanes taken by a shift (`SHIFT`) or `cvt`, or dequantized the same
-    way for the tensor cores (`DOT`); the budget is spent on them in that order) over tile blocks and splits
-    (and the best under register caps of 64, 80 and 128, `MAXNREG`),
-    against the table as it was; and the INT8 projections, in packed fp16 pairs (`F16`) first and then the fp32
-    GEMV, over blocks, warps and splits against the engine's own path (the tensor-core GEMM for the layers in
-    `FEW_ROWS_GEMM`). A faster config goes into GEMV_OVERRIDES (an INT8 layer leaves FEW_ROWS_GEMM) for the
-    parts after it, and is recorded."""
-    from nanoserve.quant import gemv_config, quant_gemv, quant_matmul, quant_matmul_ref
-    rows = res.setdefault("int4_words", [])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kinds = ({"HALF2": True, "ZPAIR": True}, {"HALF2": True, "ZPAIR": True, "SHIFT": True}, {"HALF2": True},
-             {"HALF2": True, "SHIFT": True}, {"HALF2": True, "DOT": True}, {"HALF2": False})
-    int4 = [{"WORDS": True, "BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "PAIRS": False, **kind}
-            for kind in kinds for bk in (128, 256, 512) for n in (64, 128, 256) for w in (4, 8)
-            if n * bk <= 65536 and not (kind["HALF2"] and bk != 128)    # the packed paths take a group a tile
-            and not (kind.get("DOT") and n > 128)]                       # 256 channels: out of registers
-    int8 = [{"BLOCK_K": bk, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PAIRS": True, "F16": f16}
-            for f16, st in ((True, 1), (False, 3)) for bk in (128, 256, 512) for n in (16, 32, 64, 128) for w in (4, 8)
-            if n * bk // (32 * w) >= 8 and n * bk <= 32768 and (f16 or bk <= 256)]
-    for method in methods:
-        for name, N, K, act, bias in layer_shapes(shape):
-            t0 = time.perf_counter()
-            w, b, x, _, _ = layer_operands(N, K, False, bias, copies=False)
-            q, qs, qb = quantized_copies(w, method)
-            ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
-            tuned = dict(GEMV_OVERRIDES.get((method, N, K), {}))
-            pdl = True
-            gemm = (method, N, K) in FEW_ROWS_GEMM                            # the engine's path at one row
-            row = {"method": method, "layer": name, "N": N, "K": K, "tuned": tuned, "engine_gemm": gemm,
-                   "tuned_us": min(G.graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl)),
-                                                 qb)), "words": []}
-            best = None
-            def trial(cfg):
-                nonlocal best
-                err = ((quant_gemv(x, *q, b, method, 128, config=cfg, pdl=pdl).float() - ref).abs().max()
-                       / ref.abs().max()).item()
-                us = min(G.graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128, config=cfg, pdl=pdl)), qb))
-                row["words"].append({**cfg, "us": us, "rel_err": err})
-                if best is None or us < best[0]: best = (us, cfg)
-            for cfg in (int4 if method == "int4" else int8):
-                if time.perf_counter() - t0 > budget_s and best is not None: break
-                trial({**cfg, "SPLIT_K": None})
-            full = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
-            for sk in (2, 4, 8, 14, 16, 32):
-                if sk != full["SPLIT_K"] and time.perf_counter() - t0 < budget_s + 30: trial({**full, "SPLIT_K": sk})
-            full = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
-            for cap in (64, 80, 128):                   # a register cap a thread: more programs a multiprocessor
-                if time.perf_counter() - t0 < budget_s + 45: trial({**full, "MAXNREG": cap})
-            chosen = {k: v for k, v in gemv_config(1, N, K, method, 128, sms, best[1]).items() if k not in ("SUB_K",)}
-            row["best_words"], row["best_words_us"] = chosen, best[0]
-            row["speedup"] = row["tuned_us"] / best[0]
-            if best[0] < row["tuned_us"]:
-                GEMV_OVERRIDES[(method, N, K)] = chosen
-                if method == "int4": INT4_WORDS[(method, N, K)] = chosen
-                else:
-                    INT8_NOW[(method, N, K)] = chosen
-                    FEW_ROWS_GEMM.pop((method, N, K), None); ORIGINAL_FEW_ROWS_GEMM.pop((method, N, K), None)
-            print("int4_words", method, name, f"tuned {row['tuned_us']:.1f} us, best {best[0]:.1f} us", chosen,
-                  f"worst err {max(r['rel_err'] for r in row['words']):.1e}", flush=True)
-            rows.append(row)
-            del qs, w; torch.cuda.empty_cache()
-    res["int4_words_overrides"] = {f"{m} {n}x{k}": c for (m, n, k), c in GEMV_OVERRIDES.items()}
-    res["int4_words_few_rows_gemm"] = [f"{m} {n}x{k}" for (m, n, k) in FEW_ROWS_GEMM]
-
-
-def load_overrides(path: str):
-    """What an earlier run's `int4words` kept (its JSON), as if swept in this process: so a sweep and the step
-    timings can be two device calls."""
-    prev = json.loads(Path(path).read_text())
-    key = lambda s: (s.split()[0], *map(int, s.split()[1].split("x")))
-    for name, cfg in prev["int4_words_overrides"].items():
-        k = key(name)
-        GEMV_OVERRIDES[k] = cfg
-        (INT4_WORDS if k[0] == "int4" else INT8_NOW)[k] = cfg
-    kept = {key(n) for n in prev.get("int4_words_few_rows_gemm", [f"{m} {n}x{k}" for m, n, k in FEW_ROWS_GEMM])}
-    for k in list(FEW_ROWS_GEMM):
-        if k not in kept: FEW_ROWS_GEMM.pop(k); ORIGINAL_FEW_ROWS_GEMM.pop(k, None)
-
-
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
                              (64, 256)), splits=(1, 2, 4, 8, 16)):
     """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
     cases and split counts, timed by graph_bench over KV-cache copies; with the split the package's rule picks."""
-    from nanoserve.attention import _tile_n, choose_num_splits, decode_attention, num_sms
+    from nanoserve.attention import choose_num_splits, decode_attention, tile_n
+    from nanoserve.runtime import num_sms
     H, KVH, D, bs = 14, 2, 64, 16
     rows = res["splits"] = []
     for B, ctx in cases:
@@ -703,10 +537,10 @@ def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 10
         table = torch.randperm(B * nblk, device="cuda").view(B, nblk)                      # [B, nblk]
         lens = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, _tile_n(bs, D), num_sms(q.device)),
+        row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, tile_n(bs, D), num_sms(q.device)),
                "us": {}}
         for sp in splits:
-            if sp > ctx // _tile_n(bs, D): continue
+            if sp > ctx // tile_n(bs, D): continue
             row["us"][sp] = min(G.graph_bench(lambda i: (lambda: decode_attention(q, caches[i][0], caches[i][1], table,
                                                                                    lens, D ** -0.5, ctx, num_splits=sp)),
                                               nbytes))
@@ -720,39 +554,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="profile")
-    ap.add_argument("--budget", type=float, default=45.0, help="int4words: seconds of trials a layer")
-    ap.add_argument("--methods", default="int4,int8", help="int4words: the methods swept")
-    ap.add_argument("--shape", default="7B", help="int4words: the model shape whose projections are swept")
-    ap.add_argument("--overrides", default=None, help="an earlier run's JSON: take what its int4words kept")
     ap.add_argument("--controls", default="row_gemv",
-                    help="comma list of controls run beside the defaults: row_gemv, pdl (LLM switches set False), "
-                         "splits4/splits8 (the decode kernel's splits fixed)")
+                    help="comma list of controls run beside the defaults: row_gemv, pdl, rope, argmax, both, norm, "
+                         "logits, round7, loads, round7b (each an engine override; see CONTROL_PHRASES)")
     ap.add_argument("--before", default="norm kernel, fp32 logits",
                     help="ab, ab7b: the configuration the defaults are timed against; ab1: a ';' list of them")
     args = ap.parse_args()
-    res = {"meta": run_meta(),
+    res = {"meta": meta(),
            "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
                       + (f" --before '{args.before}'" if "ab" in args.parts.split(",") or "ab1" in args.parts.split(",")
-                         or "ab7b" in args.parts.split(",") else "")
-                      + (f" --budget {args.budget} --methods {args.methods} --shape {args.shape}"
-                         if "int4words" in args.parts else "")
-                      + (f" --overrides {args.overrides}" if args.overrides else "")}
+                         or "ab7b" in args.parts.split(",") else "")}
     out = Path(args.out) / "diet_h200.json"
     d05 = random_checkpoint("0.5B")
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
-             "splits4": ("splits 4", {}), "splits8": ("splits 8", {}),
              "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
              "both": ("rope_cache, torch argmax", {}), "norm": ("norm kernel", {}),
              "logits": ("fp32 logits", {}), "round7": ("norm kernel, fp32 logits", {}),
              "loads": ("loads apart", {}), "round7b": ("norm kernel, fp32 logits, loads apart", {})}
     both = (("defaults", {}),) + tuple(named[c] for c in args.controls.split(","))
     quant = tuple((f"{m} {c}", {**kw, "quantization": m}) for m in ("int8", "int4") for c, kw in both) + (
-        ("int8 gemv only", {"quantization": "int8"}), ("int4 no words", {"quantization": "int4"}),
-        ("int4 no pairs", {"quantization": "int4"}), ("int4 table", {"quantization": "int4"}),
-        ("int8 table", {"quantization": "int8"}),
         ("int8 lm_head", {"quantization": "int8", "quantize_lm_head": True}),   # the LM head quantized too
         ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True}))
-    quant05 = tuple((f"{m} {c}", {"quantization": m}) for m in ("int8", "int4") for c in ("defaults", "table"))
+    quant05 = tuple((f"{m} defaults", {"quantization": m}) for m in ("int8", "int4"))
     parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
              "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=6, prompt_lens=(128, 2000),
@@ -781,12 +604,10 @@ def main():
              "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
              "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
-             "int4words": lambda: int4_words(res, args.budget, tuple(args.methods.split(",")), args.shape),
              "rate05q": lambda: rates(d05, res, "0.5B", [1], (("defaults", {}),) + quant05),
              "profile7bq": lambda: profile(G.fast_random_checkpoint("7B"), res, batches=(1,), configs=(
                  ("bf16", {}), ("int4", {"quantization": "int4"}),
                  ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True})))}
-    if args.overrides: load_overrides(args.overrides)
     G.run_parts(parts, args.parts, res, out)
     out.write_text(json.dumps(res, indent=1))
 

@@ -4,7 +4,7 @@ Run on the device machine from the repo root:
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/graphs_h200.py --out $OUT
 Writes graphs_h200.json (raw numbers, git sha, GPU, versions, date) to --out; copy it to figures/data/.
 
-With random weights of the Qwen2.5 shapes (BRIEF.md), side by side in one run, `enforce_eager` as the control:
+With random weights of the Qwen2.5 shapes (`nanoserve.model.SHAPES`), side by side in one run, `enforce_eager` as the control:
 1. greedy tokens with graphs on and off (fp32, where they must be identical; bf16, agreement reported), at a
    batch that pads (6 sequences in the 8 bucket) and at batch 1;
 2. decode steps of the 0.5B shape in bf16 for each configuration (eager, eager + fused kernels, graphs,
@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.bench import SHAPES, BenchRequest, WorkloadSpec, make_workload, random_checkpoint, run_meta
+from nanoserve.bench import WorkloadSpec, make_workload, random_checkpoint
 from nanoserve.engine import LLM, SamplingParams, StepLedger
 from nanoserve.measure import (busy_share, count_device_kernels, decode_floor_ms, kv_bytes_per_token,
-                               model_weight_bytes, profile_run, time_twice, warm_gpu)
+                               model_weight_bytes, profile_run, run_meta, time_twice, warm_gpu)
+from nanoserve.model import SHAPES
 
 CONFIGS = {"eager": dict(enforce_eager=True), "eager+fused": dict(enforce_eager=True, fused_kernels=True),
-           "graphs": dict(), "graphs+fused": dict(fused_kernels=True)}
+           "graphs": dict(), "graphs+fused": dict(fused_kernels=True)}      # name -> LLM keyword overrides
 
 
 def greedy_parity(model_dir, res):
@@ -63,10 +64,11 @@ def steady_decode(llm, batch, prompt_len=128, seed=0):
     while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
 
 
-def decode_rows(model_dir, res, shape, configs, batches, key, repeats=40):
-    for cname in configs:
+def decode_rows(model_dir, res, shape, configs: dict, batches, key, repeats=40):
+    "Steady decode rows (rate, profiled kernels and busy share, ledger) of each configuration (name -> LLM overrides)."
+    for cname, kw in configs.items():
         llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=32768 if shape == "0.5B" else 8192, max_num_seqs=max(batches),
-                  max_num_batched_tokens=max(2048, max(batches)), show_progress=False, **CONFIGS[cname])
+                  max_num_batched_tokens=max(2048, max(batches)), show_progress=False, **kw)
         for b in batches:
             steady_decode(llm, b)
             warm_gpu(2.0, llm.device)
@@ -259,8 +261,9 @@ def main():
     d05 = random_checkpoint("0.5B")
     parts = {
         "parity": lambda: greedy_parity(d05, res),
-        "decode": lambda: decode_rows(d05, res, "0.5B", list(CONFIGS), [1, 8, 64, 256], "decode"),
-        "7b": lambda: decode_rows(fast_random_checkpoint("7B"), res, "7B", ["eager", "graphs+fused"], [1, 8], "decode", 20),
+        "decode": lambda: decode_rows(d05, res, "0.5B", CONFIGS, [1, 8, 64, 256], "decode"),
+        "7b": lambda: decode_rows(fast_random_checkpoint("7B"), res, "7B",
+                                  {c: CONFIGS[c] for c in ("eager", "graphs+fused")}, [1, 8], "decode", 20),
         "nanovllm": lambda: nanovllm_workload(d05, res),
     }
     run_parts(parts, args.parts, res, out)

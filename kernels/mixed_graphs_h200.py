@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.bench import WorkloadSpec, _spawn, make_workload, random_checkpoint, run_meta, summarize
+from nanoserve.bench import WorkloadSpec, _spawn, make_workload, random_checkpoint
 from nanoserve.engine import LLM, SamplingParams
-from nanoserve.measure import busy_share, count_device_kernels, profile_run, warm_gpu
+from nanoserve.measure import busy_share, count_device_kernels, profile_run, run_meta, warm_gpu
+from nanoserve.runner import eager_inputs
 
 DISAGREE = 0.15
 
@@ -49,7 +50,7 @@ def mixed_step_logits(model_dir, dtype):
         mixed, runner.mixed_graphs = runner.mixed_graphs, None
         x = runner.pack(step, sampling)                      # the eager packing
         dev_i, _ = runner._to_device(x.ints, x.floats)
-        i, p, meta, rows = runner._eager_inputs(x, dev_i)
+        i, p, meta, rows = eager_inputs(x, dev_i)
         eager = llm.model.compute_logits(llm.model(i, p, runner.kv_caches, meta)[rows]).clone()
         cache_eager = runner.kv_cache.clone()
         runner.kv_cache.copy_(before)
