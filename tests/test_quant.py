@@ -15,7 +15,7 @@ from torch import nn
 from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM
 
 from helpers import compiled_run
-from nanoserve.quant import (GEMV_MAX_T, GEMV_OVERRIDES, TUNED_GEMV, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
+from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_MAX_T, TUNED_GEMV, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
                              QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
@@ -116,7 +116,7 @@ def test_one_row_packed_paths_are_exact_on_integers(method, cfg):
         cases = [(torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8), torch.ones(N), None, 2),
                  (torch.randint(-8, 9, (N, K), generator=g, dtype=torch.int8), torch.ones(N), None, 16)]
     run = gemv_launch(1, N, K, method, G if method == "int4" else None, torch.bfloat16, 132, cfg)["constexprs"]
-    assert run["EMULATE"] and (run["ZPAIR"] or run["DOT"] or run["F16"])
+    assert run["EMULATE"] and (run["HALF2"] or run["F16"])
     for qweight, scales, zeros, nonzero in cases:
         x = torch.zeros(1, K)
         where = torch.randperm(K, generator=g)[:nonzero]
@@ -308,28 +308,26 @@ def test_split_rule_depends_on_shapes_only():
 
 
 def test_configs_and_overrides():
-    saved = dict(GEMV_OVERRIDES)
-    assert saved == TUNED_GEMV                                                   # the package ships the H200 table
+    assert len(TUNED_GEMV) == 17 and all(k in TUNED_GEMV for k in FEW_ROWS_GEMM)    # the package ships the H200 table
     down = gemv_config(1, 3584, 18944, "int4", 128, 132)                         # ... and uses it: the words path
-    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["ZPAIR"], down["TILED"]) == (32, 128, True, True, True)
+    assert (down["BLOCK_N"], down["BLOCK_K"], down["WORDS"], down["HALF2"], down["TILED"]) == (32, 128, True, True, True)
     assert words_path(1, 3584, 18944, "int4", 128, down) and not words_path(2, 3584, 18944, "int4", 128, down)
     assert (gemv_tile(3584, 18944, 128), gemv_tile(4608, 3584, 128), gemv_tile(200, 256, 64)) == (32, 64, 0)
-    try:
-        GEMV_OVERRIDES.clear()                                                   # the rules alone
-        down = gemv_config(2, 3584, 18944, "int4", 128, 132)                     # two rows: the sub-tile rule
+    if True:                                                                     # the rules alone: tuned={}
+        down = gemv_config(2, 3584, 18944, "int4", 128, 132, tuned={})                     # two rows: the sub-tile rule
         assert (down["BLOCK_N"], down["BLOCK_K"], down["SUB_K"], down["SPLIT_K"]) == (32, 512, 128, 5)
-        assert "WORDS" not in down and gemv_config(2, 37888, 3584, "int4", 128, 132)["SPLIT_K"] == 1
-        one = gemv_config(1, 3584, 18944, "int4", 128, 132)                      # one row: the words rule
+        assert "WORDS" not in down and gemv_config(2, 37888, 3584, "int4", 128, 132, tuned={})["SPLIT_K"] == 1
+        one = gemv_config(1, 3584, 18944, "int4", 128, 132, tuned={})                      # one row: the words rule
         assert (one["WORDS"], one["BLOCK_N"], one["BLOCK_K"], one["SPLIT_K"]) == (True, 64, 128, 10)
-        assert one["ZPAIR"] and one["SHIFT"] and not gemv_config(1, 3584, 18944, "int8", None, 132).get("WORDS")
-        f16 = gemv_config(1, 3584, 18944, "int8", None, 132)                    # INT8, one row: the fp16 pairs rule
+        assert one["HALF2"] and one["SHIFT"] and not gemv_config(1, 3584, 18944, "int8", None, 132, tuned={}).get("WORDS")
+        f16 = gemv_config(1, 3584, 18944, "int8", None, 132, tuned={})                    # INT8, one row: the fp16 pairs rule
         assert (f16["F16"], f16["BLOCK_N"], f16["BLOCK_K"]) == (True, 32, 256)
-        assert not gemv_config(2, 3584, 18944, "int8", None, 132).get("F16")     # two rows: no
-        assert not gemv_config(1, 3584, 18944 + 128, "int8", None, 132).get("F16")  # 256 does not divide K: no
+        assert not gemv_config(2, 3584, 18944, "int8", None, 132, tuned={}).get("F16")     # two rows: no
+        assert not gemv_config(1, 3584, 18944 + 128, "int8", None, 132, tuned={}).get("F16")  # 256 does not divide K: no
         assert words_path(1, 3584, 18944, "int4", 128, one)
-        assert not gemv_config(1, 3584, 3584, "int4", 96, 132).get("WORDS")      # a group of 96: no words
-        assert gemv_config(1, 3584, 3584, "int4", 96, 132)["SUB_K"] == 32         # a sub-tile never crosses a group
-        assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128})["SUB_K"] == 128
+        assert not gemv_config(1, 3584, 3584, "int4", 96, 132, tuned={}).get("WORDS")      # a group of 96: no words
+        assert gemv_config(1, 3584, 3584, "int4", 96, 132, tuned={})["SUB_K"] == 32         # a sub-tile never crosses a group
+        assert gemv_config(1, 3584, 3584, "int8", None, 132, {"BLOCK_K": 128}, tuned={})["SUB_K"] == 128
         assert gemm_config(40, 3584, 3584, "int4", 64, 132)["BLOCK_K"] == 64
         gu8, gu32 = gemm_config(8, 37888, 3584, "int4", 128, 132), gemm_config(32, 37888, 3584, "int4", 128, 132)
         assert gu8["PACKED"] and (gu8["BLOCK_M"], gu8["BLOCK_N"], gu8["num_warps"]) == (16, 128, 8)   # TUNED_GEMM
@@ -339,13 +337,11 @@ def test_configs_and_overrides():
         nib = gemm_config(8, 37888, 3584, "int4", 128, 132, {"PACKED": False})      # the control: the rule's tiles
         assert not nib["PACKED"] and (nib["BLOCK_N"], nib["num_warps"]) == (64, 4)
         assert not gemm_config(8, 37888, 3584, "int8", None, 132).get("PACKED")
-        GEMV_OVERRIDES[("int8", 3584, 18944)] = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}
-        c = gemv_config(1, 3584, 18944, "int8", None, 132)
+        cand = {"BLOCK_N": 64, "num_warps": 8, "SPLIT_K": 1}                   # an A/B's candidate for one shape
+        c = gemv_config(1, 3584, 18944, "int8", None, 132, tuned=cand)
         assert (c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]) == (64, 8, 1)
-        assert gemv_config(2, 3584, 18944, "int4", 128, 132)["BLOCK_N"] == 32    # other method / shape: the rules
-        assert gemv_config(1, 3584, 18944, "int8", None, 132, {"BLOCK_N": 16})["BLOCK_N"] == 16   # config wins
-    finally:
-        GEMV_OVERRIDES.clear(); GEMV_OVERRIDES.update(saved)
+        assert gemv_config(2, 3584, 18944, "int4", 128, 132, tuned={})["BLOCK_N"] == 32    # other method / shape: the rules
+        assert gemv_config(1, 3584, 18944, "int8", None, 132, {"BLOCK_N": 16}, tuned=cand)["BLOCK_N"] == 16   # config wins
 
 
 def test_kernels_support():
@@ -539,7 +535,7 @@ def test_gemv_launch_matches_the_rules():
     "What `compile_one_row` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
     from nanoserve.quant import gemv_launch, PAIRS_ASM, PAIRS_ASM_SHIFT
     gpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, interpret=False)    # the tuned table
-    assert gpu["constexprs"]["HALF2"] and gpu["constexprs"]["ZPAIR"] and gpu["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
+    assert gpu["constexprs"]["HALF2"] and gpu["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
     assert not gpu["constexprs"]["EMULATE"] and gpu["maxnreg"] == 128
     plain = {"ZPAIR": False, "SHIFT": False}
     shipped = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, plain, interpret=False)
@@ -547,9 +543,9 @@ def test_gemv_launch_matches_the_rules():
     cpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, plain, interpret=True)
     assert not cpu["constexprs"]["HALF2"] and cpu["constexprs"]["ASM"] == ""       # no PTX under the interpreter
     z = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, {"ZPAIR": True, "SHIFT": True}, interpret=True)
-    assert z["constexprs"]["ZPAIR"] and z["constexprs"]["EMULATE"] and z["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
+    assert z["constexprs"]["HALF2"] and z["constexprs"]["EMULATE"] and z["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
     f = gemv_launch(1, 3584, 3584, "int4", 128, torch.float32, 132, {"ZPAIR": True}, interpret=False)
-    assert not (f["constexprs"]["HALF2"] or f["constexprs"]["ZPAIR"])               # fp32 activations: no pairs
+    assert not f["constexprs"]["HALF2"]               # fp32 activations: no pairs
     assert gpu["grid"] == (3584 // 64, 7) and gpu["pdl"] is False      # the table: 64 channels, 7 splits of 28 tiles
     assert gpu["constexprs"]["TILE"] == 0 and gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132,
                                                           interpret=False, tile=64)["constexprs"]["TILE"] == 64
