@@ -4,6 +4,7 @@ Two engines: the built-in tiny model (`LLM()`, built on first use into a per-ses
 ~/.cache) and a random transformers checkpoint with the built-in tokenizer, whose greedy text is varied enough to
 pick stop strings from.
 """
+import dataclasses
 import json
 import math
 import shutil
@@ -456,8 +457,7 @@ def test_pdl_is_off_on_a_cpu_and_refused_when_asked(ckpt_dir):
     llm = LLM(ckpt_dir, dtype="float32", device="cpu", attention_backend="triton", fused_kernels=True)
     assert llm.pdl is False
     assert not any(getattr(m, "pdl", False) for m in llm.model.modules())
-    llm.model.set_fused_kernels(True, None, pdl=True)           # the switch reaches every module that has one
-    assert {type(m).__name__: m.pdl for m in llm.model.modules() if hasattr(m, "pdl")} == \
-        {"RMSNorm": True, "Qwen2Attention": True, "Qwen2MLP": True}
+    llm.model.set_kernels(dataclasses.replace(llm.model.kernels, pdl=True))   # one table every layer reads
+    assert llm.model.kernels.pdl is True and llm.model.kernels.add_rmsnorm is not None
     with pytest.raises(ValueError, match="compute capability 9.0"):
         LLM(ckpt_dir, dtype="float32", device="cpu", pdl=True)

@@ -4,7 +4,8 @@ import pickle
 import pytest
 import torch
 
-from nanoserve.engine import LLM, SamplingParams, StepInputs
+from nanoserve.engine import LLM, SamplingParams
+from nanoserve.runner import StepInputs
 from nanoserve.model import ModelConfig
 from nanoserve.parallel import check_tensor_parallel, _vocab_slice
 from nanoserve.tokenizer import default_model
