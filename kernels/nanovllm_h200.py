@@ -236,9 +236,9 @@ def child_argv(args, label: str, out: Path) -> list[str]:
     "This script's command line for one tree's process."
     argv = [sys.executable, str(Path(__file__).resolve()), "--label", label, "--out", str(out),
             "--repeats", str(args.repeats)]
-    if args.model: argv += ["--model", args.model]
+    if args.model: argv += ["--model", str(Path(args.model).resolve())]
     if args.num_requests: argv += ["--num-requests", str(args.num_requests)]
-    if args.host_model: argv += ["--host-model", args.host_model]
+    if args.host_model: argv += ["--host-model", str(Path(args.host_model).resolve())]
     argv += [f for f, on in (("--freeze-gc", args.freeze_gc), ("--keep-prefix-cache", args.keep_prefix_cache),
                              ("--smoke", is_smoke(args))) if on]
     return argv
@@ -289,7 +289,7 @@ def ab(args) -> dict:
             env = {**os.environ, "PYTHONPATH": t["path"], "NANOSERVE_GIT_SHA": t["sha"], "NANOSERVE_AB_CHILD": "1",
                    "NANOSERVE_SMOKE_OUT": str(out)}
             print(f"=== round {r}: {t['label']} ({t['sha']}, {t['path']})", flush=True)
-            p = subprocess.run(child_argv(args, t["label"], out), env=env, cwd=REPO)
+            p = subprocess.run(child_argv(args, t["label"], out), env=env, cwd=t["path"])   # `python -m` finds it too
             path = out / child_name(t["label"])
             rec = json.loads(path.read_text()) if path.is_file() else {"label": t["label"]}
             rec.update(round=r, returncode=p.returncode)
