@@ -75,7 +75,7 @@ def tiny_stdlib_config(tok):
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
                        bos_token_id=eos, eos_token_id=eos, dtype="bfloat16")
 
-
+# %% ../nbs/04_train_tiny.ipynb #17212fcb
 @torch.no_grad()
 def eval_loss(model, rows: torch.Tensor, batch_size: int = 16) -> float:
     "Mean next-token cross-entropy (nats) of `model` over `rows` [N, T + 1]."
@@ -89,14 +89,14 @@ def eval_loss(model, rows: torch.Tensor, batch_size: int = 16) -> float:
     model.train()
     return total / count
 
-
+# %% ../nbs/04_train_tiny.ipynb #f2a6bb30
 def lr_at(step: int, max_steps: int, peak: float, warmup: int) -> float:
     "Linear warm-up, then cosine decay to a tenth of the peak."
     if step < warmup: return peak * (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
-
+# %% ../nbs/04_train_tiny.ipynb #bd290b93
 def train(model, train_rows: torch.Tensor, heldout_rows: torch.Tensor, *, batch_size: int = 16, max_steps: int = 1000,
           time_budget_s: float = 1500.0, peak_lr: float = 3e-3, warmup: int = 50, eval_every: int = 100,
           seed: int = 0, log=print) -> list[dict]:
@@ -139,8 +139,7 @@ def save_model_folder(model, tok, path: Path) -> Path:
     _write_json(path / "generation_config.json", {"bos_token_id": eos, "eos_token_id": [im_end, eos], "pad_token_id": eos})
     return path
 
-
-
+# %% ../nbs/04_train_tiny.ipynb #3cfa164d
 def heldout_rows(tok_path: Path, num_rows: int = 64, seq_len: int = 256) -> torch.Tensor:
     "The first `num_rows` packed rows of the held-out files, tokenized with the tokenizer at `tok_path`."
     from tokenizers import Tokenizer
