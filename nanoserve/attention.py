@@ -17,9 +17,21 @@ from .runtime import (
     INTERPRET, add_fn, launch_options, max_fn, num_sms, pdl_launch_next, pdl_wait, row_max, row_sum, split_counters)
 
 # %% auto #0
-__all__ = ['rope_cache_kernel', 'rope_cache', 'rope_cache_ref', 'decode_attention_kernel', 'decode_reduce_kernel',
-           'choose_num_splits', 'tile_n', 'decode_attention', 'decode_attention_ref', 'prefill_attention_kernel',
-           'prefill_block_m', 'prefill_attention', 'prefill_tile_map', 'prefill_attention_ref', 'paged_attention']
+__all__ = ['rope_cache_ref', 'rope_cache_kernel', 'rope_cache', 'decode_attention_ref', 'paged_kv', 'online_softmax',
+           'decode_rope', 'decode_finish', 'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n',
+           'choose_num_splits', 'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m',
+           'prefill_tile_map', 'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
+
+# %% ../nbs/06_attention.ipynb #3a1f0c55
+def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int):
+    "Torch reference of `rope_cache`."
+    T, D = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q = apply_rotary(q.reshape(T, num_heads, D), cos, sin)       # [T, H, D]
+    k = apply_rotary(k.reshape(T, num_kv_heads, D), cos, sin)    # [T, KVH, D]
+    keep = slot_mapping >= 0
+    write_kv(k_cache, v_cache, k[keep], v.reshape(T, num_kv_heads, D)[keep], slot_mapping[keep])
+    return q
 
 # %% ../nbs/06_attention.ipynb #06ceca81
 @triton.jit
@@ -79,16 +91,94 @@ def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, nu
                             **launch_options(pdl))
     return q
 
+# %% ../nbs/06_attention.ipynb #91d4e6a2
+def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float, **_):
+    "Torch reference (gather + SDPA) of `decode_attention`: the model chapter's."
+    return model.decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
-def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int):
-    "Torch reference of `rope_cache`."
-    T, D = qkv.shape[0], k_cache.shape[-1]
-    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
-    q = apply_rotary(q.reshape(T, num_heads, D), cos, sin)       # [T, H, D]
-    k = apply_rotary(k.reshape(T, num_kv_heads, D), cos, sin)    # [T, KVH, D]
-    keep = slot_mapping >= 0
-    write_kv(k_cache, v_cache, k[keep], v.reshape(T, num_kv_heads, D)[keep], slot_mapping[keep])
+# %% ../nbs/06_attention.ipynb #2b7d4c19
+@triton.jit
+def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+             BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    "Keys and values [TILE_N, D] of positions `pos` of one sequence (block table row at `table_ptr`), KV head `kvh`."
+    blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+# %% ../nbs/06_attention.ipynb #2b7d4c20
+@triton.jit
+def online_softmax(s, v, m_i, l_i, acc):
+    "Fold scores `s` [R, TILE_N] (base 2; -inf where masked) and values `v` into the running max, sum and output."
+    m_new = tl.maximum(m_i, row_max(s))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + row_sum(p)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+# %% ../nbs/06_attention.ipynb #5e2f8a40
+@triton.jit
+def decode_rope(row, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, heads, gm, d, kvh, last, t_begin, t_end,
+                stride_cb, stride_cs, stride_ch, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The query heads [BLOCK_G, D] of one token's QKV row `row`, rotated. Its KV head's key (rotated) and value go
+    to the token's cache slot, written by the program whose tiles [t_begin, t_end) hold position `last`."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    first = (d < HALF)[None, :]
+    partner = (d + HALF) % HEAD_DIM                   # the other half of each rotated pair
+    cos = tl.load(cos_ptr + d % HALF).to(tl.float32)[None, :]                                       # [1, D]
+    sin = tl.load(sin_ptr + d % HALF).to(tl.float32)[None, :]
+    qa = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0.0).to(tl.float32)
+    qb = tl.load(row + heads[:, None] * HEAD_DIM + partner[None, :], mask=gm, other=0.0).to(tl.float32)
+    q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(row.dtype.element_ty)          # [BLOCK_G, D]
+    k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
+    ka = tl.load(k_row + d).to(tl.float32)[None, :]
+    kb = tl.load(k_row + partner).to(tl.float32)[None, :]
+    k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin).to(k_cache_ptr.dtype.element_ty)  # [1, D]
+    v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(v_cache_ptr.dtype.element_ty)[None, :]
+    slot = tl.load(slot_ptr)
+    if (slot >= 0) & (last // TILE_N >= t_begin) & (last // TILE_N < t_end):
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
+        tl.store(k_cache_ptr + dst, k_new)
+        tl.store(v_cache_ptr + dst, v_new)
+    tl.debug_barrier()                                # the slot written before any thread of the program reads it
     return q
+
+# %% ../nbs/06_attention.ipynb #3f8b1d57
+@triton.jit
+def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
+                  stride_ot, stride_oh, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr):
+    "Store a decode program's output; with several splits its partial, and the last split merges them all."
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gm)
+    else:
+        row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split                # [BLOCK_G]
+        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)          # an empty split writes zeros
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=gm)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < G)       # -inf for an empty split
+        if MERGE:                                                           # the last split merges them all
+            tl.debug_barrier()                                              # all of this program's stores ...
+            c = counter_ptr + seq * tl.num_programs(1) + kvh
+            if tl.atomic_add(c, 1, sem="acq_rel") == NUM_SPLITS - 1:      # ... before the others can see it
+                s = tl.arange(0, NUM_SPLITS)
+                rows = (seq * NUM_HEADS + heads[:, None]) * NUM_SPLITS + s[None, :]          # [BLOCK_G, S]
+                lse = tl.load(part_lse_ptr + rows, mask=gm, other=0.0, cache_modifier=".cg")
+                w = tl.exp2(lse - tl.reduce(lse, 1, max_fn)[:, None])
+                w = w / tl.reduce(w, 1, add_fn)[:, None]                                       # [BLOCK_G, S]
+                o = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=gm[:, :, None],
+                            other=0.0, cache_modifier=".cg")                                  # [BLOCK_G, S, D]
+                out = tl.reduce(o * w[:, :, None], 1, add_fn)                                  # [BLOCK_G, D]
+                tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=gm)
+                tl.atomic_xchg(c, 0)                                        # zero again for the next launch
 
 # %% ../nbs/06_attention.ipynb #c336a4c0
 @triton.jit
@@ -115,28 +205,10 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     n = tl.arange(0, TILE_N)
     heads = kvh * G + g
     gm = g[:, None] < G
-    if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here (`rope_cache`'s work)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        row = q_ptr + seq * stride_qt
-        first = (d < HALF)[None, :]
-        partner = (d + HALF) % HEAD_DIM                   # the other half of each rotated pair
-        cos = tl.load(cos_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]                    # [1, D]
-        sin = tl.load(sin_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]
-        qa = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0.0).to(tl.float32)
-        qb = tl.load(row + heads[:, None] * HEAD_DIM + partner[None, :], mask=gm, other=0.0).to(tl.float32)
-        q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(q_ptr.dtype.element_ty)    # [BLOCK_G, D]
-        k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
-        ka = tl.load(k_row + d).to(tl.float32)[None, :]
-        kb = tl.load(k_row + partner).to(tl.float32)[None, :]
-        k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin).to(k_cache_ptr.dtype.element_ty)  # [1, D]
-        v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(v_cache_ptr.dtype.element_ty)[None, :]
-        last = ctx - 1                                    # the new token's position; its split writes it
-        slot = tl.load(slot_mapping_ptr + seq)
-        if (slot >= 0) & (last // TILE_N >= t_begin) & (last // TILE_N < t_end):
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
-            tl.store(k_cache_ptr + dst, k_new)
-            tl.store(v_cache_ptr + dst, v_new)
-        tl.debug_barrier()                                # the slot written before any thread of the program reads it
+    if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
+        q = decode_rope(q_ptr + seq * stride_qt, cos_ptr + seq * stride_cos, sin_ptr + seq * stride_cos,
+                        slot_mapping_ptr + seq, k_cache_ptr, v_cache_ptr, heads, gm, d, kvh, ctx - 1, t_begin, t_end,
+                        stride_cb, stride_cs, stride_ch, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE, TILE_N)
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
@@ -146,47 +218,15 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     for t in range(t_begin, t_end):
         pos = t * TILE_N + n
         valid = pos < ctx
-        blk = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-        off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, valid, kvh, d,
+                        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, row_max(s))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + row_sum(p)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gm)
-    else:
-        row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split                # [BLOCK_G]
-        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)          # an empty split writes zeros
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=gm)
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < G)       # -inf for an empty split
-        if MERGE:                                                           # the last split merges them all
-            tl.debug_barrier()                                              # all of this program's stores ...
-            c = counter_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(c, 1, sem="acq_rel") == NUM_SPLITS - 1:      # ... before the others can see it
-                s = tl.arange(0, NUM_SPLITS)
-                rows = (seq * NUM_HEADS + heads[:, None]) * NUM_SPLITS + s[None, :]          # [BLOCK_G, S]
-                lse = tl.load(part_lse_ptr + rows, mask=gm, other=0.0, cache_modifier=".cg")
-                w = tl.exp2(lse - tl.reduce(lse, 1, max_fn)[:, None])
-                w = w / tl.reduce(w, 1, add_fn)[:, None]                                      # [BLOCK_G, S]
-                o = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=gm[:, :, None],
-                            other=0.0, cache_modifier=".cg")                                  # [BLOCK_G, S, D]
-                out = tl.reduce(o * w[:, :, None], 1, add_fn)                                 # [BLOCK_G, D]
-                tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=gm)
-                tl.atomic_xchg(c, 0)                                        # zero again for the next launch
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc)
+    decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
+                  stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
 
-
+# %% ../nbs/06_attention.ipynb #6b8f2d9e
 @triton.jit
 def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -202,26 +242,40 @@ def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_
     out = tl.reduce(o * w[:, None], 0, add_fn)
     tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
+
+def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    "Merge split partials `part_out` [B, H, S, D] by their log-sum-exp `part_lse` [B, H, S] (base 2) into `out`."
+    B, H, S, D = part_out.shape
+    decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
+                                 NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=S)
+    return out
+
 # %% ../nbs/06_attention.ipynb #0baffcf8
+def tile_n(block_size: int, head_dim: int) -> int:
+    "Keys per iteration of the decode and prefill loops: at least a block (64 or 32 on a GPU, by head size)."
+    return max(block_size, 64 if head_dim <= 64 else 32) if not INTERPRET else max(block_size, 16)
+
+# %% ../nbs/06_attention.ipynb #7f4b1e26
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, tile_n: int, sms: int) -> int:
     "Split-K rule: about four programs per multiprocessor, a power of two, at most 16 and no more than the tiles."
     want = min((4 * sms) // (batch * num_kv_heads), triton.cdiv(max_context_len, tile_n), 16)
     return 1 << max(0, want.bit_length() - 1)     # round down to a power of two (1 when want is 0)
 
+# %% ../nbs/06_attention.ipynb #5d7a2c49
+def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: bool) -> tuple:
+    "(partial outputs, partial log-sum-exps, merge counters) of a decode launch into `out` [B, H, D]."
+    B, H, D = out.shape
+    if num_splits == 1: return out, out, out
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=out.device)     # [B, H, S, D]
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=out.device)        # [B, H, S]
+    return part_out, part_lse, split_counters(out.device, B * num_kv_heads) if merge else out
 
-def tile_n(block_size: int, head_dim: int) -> int:
-    "Keys per step of the decode and prefill kernels' loops: a block or more (64 or 32 on a GPU, by head size)."
-    return max(block_size, 64 if head_dim <= 64 else 32) if not INTERPRET else max(block_size, 16)
-
-
-_tile_n = tile_n                # TRANSITIONAL: graphs.py imports it under this name until it takes tile_n
-
-
+# %% ../nbs/06_attention.ipynb #9c1e5b70
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
                      rope: tuple | None = None):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
-    by the last split of each (sequence, KV head), or by `decode_reduce_kernel` if not `merge_in_kernel`.
+    by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
     `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
     writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context)."""
@@ -234,12 +288,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     tile = tile_n(block_size, D)
     if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device))
     merge = num_splits > 1 and merge_in_kernel
-    if num_splits > 1:
-        part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=out.device)
-        part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=out.device)
-    else:
-        part_out = part_lse = out
-    counters = split_counters(out.device, B * KVH) if merge else out
+    part_out, part_lse, counters = split_buffers(out, KVH, num_splits, merge)
     if rope is not None:                          # the kernel reads q, k and v from `qkv` through q's pointer
         q, cos, sin, slots = rope
         assert q.stride(-1) == 1 and cos.stride(-1) == 1 and q.shape[-1] == (H + 2 * KVH) * D
@@ -253,15 +302,34 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,
         num_warps=4, **launch_options(pdl))
-    if num_splits > 1 and not merge:
-        decode_reduce_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1),
-                                     NUM_HEADS=H, HEAD_DIM=D, NUM_SPLITS=num_splits)
+    if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
+# %% ../nbs/06_attention.ipynb #6d3f8b21
+def prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, scale: float, **_):
+    "Torch reference of `prefill_attention`: one chunk at a time, the model chapter's gather + masked SDPA."
+    out = torch.empty_like(q)
+    cu = cu_q_lens.tolist()
+    for c in range(len(cu) - 1):
+        out[cu[c]:cu[c + 1]] = model.prefill_attention_ref(q[cu[c]:cu[c + 1]], k_cache, v_cache, block_tables[c],
+                                                           int(start_pos[c]), scale)
+    return out
 
-def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float, **_):
-    "Torch reference (gather + SDPA) of `decode_attention`."
-    return model.decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+# %% ../nbs/06_attention.ipynb #5a3e7c90
+def prefill_block_m(num_heads: int, num_kv_heads: int) -> int:
+    "Query tokens per program of the prefill kernel (its tile is this many tokens x the padded group)."
+    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_m = max(1, 64 // block_g) if not INTERPRET else max(1, 16 // block_g)
+    return max(block_m, triton.cdiv(16, block_g))                           # at least 16 rows for tl.dot
+
+# %% ../nbs/06_attention.ipynb #6e1f4b83
+def prefill_tile_map(q_lens: list[int], block_m: int, num_tiles: int) -> list[int]:
+    "The (chunk, tile) of every program, flattened as [chunks..., tiles...], padded to `num_tiles` with chunk -1."
+    chunks = [c for c, n in enumerate(q_lens) for _ in range(-(-n // block_m))]
+    tiles = [m for n in q_lens for m in range(-(-n // block_m))]
+    if len(chunks) > num_tiles: raise ValueError(f"{len(chunks)} tiles do not fit in {num_tiles}")
+    pad = num_tiles - len(chunks)
+    return chunks + [-1] * pad + tiles + [0] * pad
 
 # %% ../nbs/06_attention.ipynb #6077621d
 @triton.jit
@@ -302,33 +370,16 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
         for t in range(0, (kv_end + TILE_N - 1) // TILE_N):
             pos = t * TILE_N + n
             valid = pos < kv_end
-            blk = tl.load(block_tables_ptr + c * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-            off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-            k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + c * stride_bt, pos, valid, kvh, d,
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
             s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_M*BLOCK_G, TILE_N]
             s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, row_max(s))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + row_sum(p)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_begin + i)[:, None] * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-
-def prefill_block_m(num_heads: int, num_kv_heads: int) -> int:
-    "Query tokens per program of the prefill kernel (its tile is this many tokens x the padded group)."
-    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
-    block_m = max(1, 64 // block_g) if not INTERPRET else max(1, 16 // block_g)
-    return max(block_m, triton.cdiv(16, block_g))                           # at least 16 rows for tl.dot
-
-
+# %% ../nbs/06_attention.ipynb #4a7c2e95
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, max_q_len: int, scale: float,
                       out=None, tile_map=None):
     """Paged prefill attention for a batch of chunks: q [T, H, D] (chunks back to back) -> out [T, H, D].
@@ -351,30 +402,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
         TILE_N=tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, num_warps=4)
     return out
 
-
-def prefill_tile_map(q_lens: list[int], block_m: int, num_tiles: int) -> list[int]:
-    "The (chunk, tile) of every program, flattened as [chunks..., tiles...], padded to `num_tiles` with chunk -1."
-    chunks = [c for c, n in enumerate(q_lens) for _ in range(-(-n // block_m))]
-    tiles = [m for n in q_lens for m in range(-(-n // block_m))]
-    if len(chunks) > num_tiles: raise ValueError(f"{len(chunks)} tiles do not fit in {num_tiles}")
-    pad = num_tiles - len(chunks)
-    return chunks + [-1] * pad + tiles + [0] * pad
-
-
-def prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, scale: float, **_):
-    "Torch reference of `prefill_attention`: one chunk at a time, gather + masked SDPA."
-    out = torch.empty_like(q)
-    cu = cu_q_lens.tolist()
-    for c in range(len(cu) - 1):
-        out[cu[c]:cu[c + 1]] = model.prefill_attention_ref(q[cu[c]:cu[c + 1]], k_cache, v_cache, block_tables[c], int(start_pos[c]), scale)
-    return out
-
 # %% ../nbs/06_attention.ipynb #8ca92d60
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
                     pdl: bool = False, rope_in_decode: bool = True):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
-    kernels use programmatic dependent launch (the fused-kernels chapter). A decode-only step with `rope_in_decode`
-    is one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control)."""
+    kernels use programmatic dependent launch (the runtime chapter). A decode-only step with `rope_in_decode` is
+    one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control)."""
     nd = meta.num_decode_tokens
     if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
