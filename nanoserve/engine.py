@@ -26,8 +26,9 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
 from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
 
 # %% auto #0
-__all__ = ['LEDGER_PHASES', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'engine_config', 'SamplingParams',
-           'RequestOutput', 'StepLedger', 'EngineSetup', 'EngineLoad', 'EngineStart', 'EngineRequests', 'EngineStep',
+__all__ = ['LEDGER_PHASES', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line', 'engine_config',
+           'SamplingParams', 'RequestOutput', 'StepLedger', 'EngineSetup', 'EngineLoad', 'worker_spec', 'eos_token_ids',
+           'EngineStart', 'prompt_token_ids', 'check_context', 'EngineRequests', 'EngineStep', 'EngineLaunch',
            'EngineAsync', 'find_stop', 'EngineReports', 'LLM']
 
 # %% ../nbs/12_engine.ipynb #61f398f0
@@ -52,7 +53,7 @@ class LoadConfig:
         if self.dtype is not None and self.dtype not in _DTYPE_NAMES: raise ValueError(f"unsupported dtype {self.dtype!r}")
         _positive_int("max_model_len", self.max_model_len)
 
-# %% ../nbs/12_engine.ipynb #e98f8c85
+# %% ../nbs/12_engine.ipynb #9d63e21b
 @dataclass(frozen=True)
 class CacheSpec:
     "The paged KV cache: block size, how many blocks (None: what memory allows), prefix caching."
@@ -67,7 +68,7 @@ class CacheSpec:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
-
+# %% ../nbs/12_engine.ipynb #2aca6984
 @dataclass(frozen=True)
 class BatchConfig:
     "Batching: the scheduler chapter's limits and policy, and whether the host runs a step ahead of the GPU."
@@ -84,7 +85,7 @@ class BatchConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len, policy=self.policy, static_batch_size=self.static_batch_size)
 
-# %% ../nbs/12_engine.ipynb #eb7fa2bc
+# %% ../nbs/12_engine.ipynb #cec21b9b
 _SECTIONS = {"load": LoadConfig, "cache": CacheSpec, "batch": BatchConfig, "kernels": KernelConfig,
              "quant": QuantConfig, "parallel": ParallelConfig}
 
@@ -112,43 +113,46 @@ class EngineConfig:
         "The whole configuration as plain JSON-ready values."
         return asdict(self)
 
-    def __str__(self) -> str:
-        "One line: the fields that differ from the defaults."
-        changed = [f"{k}.{f}={v!r}" for k, section in self.to_dict().items() if isinstance(section, dict)
-                   for f, v in section.items() if v != getattr(_SECTIONS[k](), f)]
-        changed += [f"{k}={getattr(self, k)!r}" for k in ("show_progress", "freeze_gc") if getattr(self, k)]
-        return "EngineConfig(" + ", ".join(changed) + ")"
+    def __str__(self) -> str: return config_line(self)
 
-# %% ../nbs/12_engine.ipynb #a783b09a
+# %% ../nbs/12_engine.ipynb #82c1dea8
+def config_line(c: EngineConfig) -> str:
+    "One line: the fields that differ from the defaults."
+    changed = [f"{k}.{f}={v!r}" for k, section in c.to_dict().items() if isinstance(section, dict)
+               for f, v in section.items() if v != getattr(_SECTIONS[k](), f)]
+    changed += [f"{k}={getattr(c, k)!r}" for k in ("show_progress", "freeze_gc") if getattr(c, k)]
+    return "EngineConfig(" + ", ".join(changed) + ")"
+
+# %% ../nbs/12_engine.ipynb #30a8534b
 _ALIASES = {"enforce_eager": ("kernels", "cuda_graphs", lambda v: not v), "quantization": ("quant", "method", None),
             "quant_group_size": ("quant", "group_size", None)}
 _FIELDS = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
+_TOP = ("show_progress", "freeze_gc")
 
 
-def _keyword_value(name: str, value):
-    "Accept a torch.dtype and a torch.device where a name is meant."
-    if name in ("dtype", "device") and not isinstance(value, (str, type(None))):
-        return str(value).removeprefix("torch.")
-    return value
+def _keyword(name: str, value) -> tuple[str, str, object]:
+    "(section, field, value) of one `LLM` keyword; a torch.dtype or torch.device where a name is meant."
+    section, field_name, convert = _ALIASES.get(name) or (_FIELDS.get(name), name, None)
+    if section is None:
+        known = sorted(set(_FIELDS) | set(_ALIASES) | set(_TOP))
+        raise TypeError(f"LLM got an unknown keyword {name!r}; the keywords are: {', '.join(known)}")
+    if name in ("dtype", "device") and not isinstance(value, (str, type(None))): value = str(value).removeprefix("torch.")
+    return section, field_name, convert(value) if convert else value
 
-
+# %% ../nbs/12_engine.ipynb #cbcbedaf
 def engine_config(model=None, config: EngineConfig | None = None, **overrides) -> EngineConfig:
     "`config` (default: the defaults) with `model` and every keyword override applied."
     config = config or EngineConfig()
     if model is not None: overrides["model"] = str(model)
-    top = {k: overrides.pop(k) for k in ("show_progress", "freeze_gc") if k in overrides}
+    top = {k: overrides.pop(k) for k in _TOP if k in overrides}
     changes: dict[str, dict] = {}
     for name, value in overrides.items():
-        section, field_name, convert = _ALIASES.get(name) or (_FIELDS.get(name), name, None)
-        if section is None:
-            known = sorted(set(_FIELDS) | set(_ALIASES) | {"show_progress", "freeze_gc"})
-            raise TypeError(f"LLM got an unknown keyword {name!r}; the keywords are: {', '.join(known)}")
-        value = _keyword_value(name, value)
-        changes.setdefault(section, {})[field_name] = convert(value) if convert else value
+        section, field_name, value = _keyword(name, value)
+        changes.setdefault(section, {})[field_name] = value
     sections = {s: replace(getattr(config, s), **kw) for s, kw in changes.items()}
     return replace(config, **sections, **top)
 
-# %% ../nbs/12_engine.ipynb #d5c8a7a4
+# %% ../nbs/12_engine.ipynb #fae2082c
 @dataclass(frozen=True)
 class SamplingParams:
     "How to generate for one request."
@@ -161,28 +165,32 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
 
-    def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not isinstance(s, str) or not s for s in stop): raise ValueError("stop strings must be non-empty strings")
-        object.__setattr__(self, "stop", stop)
-        ids = tuple(self.stop_token_ids or ())
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", ids)
+    def __post_init__(self):                # every field checked (below); stop and stop_token_ids become tuples
+        _check_sampling(self)
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
 
     @property
     def greedy(self) -> bool: return self.temperature == 0
+
+# %% ../nbs/12_engine.ipynb #aea77da3
+def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+
+def _check_sampling(p: SamplingParams) -> None:
+    "A clear ValueError for the first field of `p` that is out of range."
+    if not _is_int(p.max_tokens) or p.max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {p.max_tokens!r}")
+    if isinstance(p.temperature, bool) or not isinstance(p.temperature, (int, float)) or not 0 <= p.temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+    if isinstance(p.top_p, bool) or not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+    if not _is_int(p.top_k) or p.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {p.top_k!r}")
+    if p.seed is not None and not _is_int(p.seed): raise ValueError(f"seed must be an integer, got {p.seed!r}")
+    stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
+    if any(not isinstance(s, str) or not s for s in stop): raise ValueError("stop strings must be non-empty strings")
+    if any(not _is_int(t) or t < 0 for t in tuple(p.stop_token_ids or ())):
+        raise ValueError(f"stop_token_ids must be non-negative integers, got {p.stop_token_ids!r}")
 
 
 def _check_params(params) -> SamplingParams:
@@ -190,7 +198,7 @@ def _check_params(params) -> SamplingParams:
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     return params
 
-# %% ../nbs/12_engine.ipynb #4cc95618
+# %% ../nbs/12_engine.ipynb #ece909e6
 @dataclass
 class RequestOutput:
     "The state of one request: tokens and text so far, and how it went."
@@ -215,7 +223,7 @@ class RequestOutput:
         "Time to first token, seconds."
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
-
+# %% ../nbs/12_engine.ipynb #9e77d1a2
 @dataclass
 class _Request:
     seq: Sequence
@@ -281,7 +289,7 @@ class EngineSetup:
         if name is not None: return getattr(torch, name)
         return None if self.device.type == "cuda" else torch.float32
 
-# %% ../nbs/12_engine.ipynb #e177a817
+# %% ../nbs/12_engine.ipynb #9b9dde06
 class EngineLoad(EngineSetup):
     "Loading: the model (sharded across ranks, or quantized), its kernels, the tokenizer and the stop tokens."
 
@@ -308,21 +316,29 @@ class EngineLoad(EngineSetup):
         self.eos_token_ids = self._eos_token_ids()
 
     def _worker_spec(self, dtype: torch.dtype | None) -> dict:
-        "What every tensor-parallel worker needs to build its own runner, as JSON."
-        ec = self.engine_config
-        return dict(dtype=str(dtype).removeprefix("torch.") if dtype else None, kernels=asdict(self.kernels),
-                    block_size=ec.cache.block_size, utilization=ec.cache.gpu_memory_utilization,
-                    max_num_batched_tokens=ec.batch.max_num_batched_tokens, max_num_seqs=ec.batch.max_num_seqs,
-                    max_model_len=ec.load.max_model_len, num_kv_blocks=ec.cache.num_kv_blocks)
+        return worker_spec(self.engine_config, self.kernels, dtype)
 
     def _eos_token_ids(self) -> frozenset[int]:
-        ids = set(self.config.eos_token_ids)
-        gen = self.model_dir / "generation_config.json"
-        if gen.is_file():
-            e = json.loads(gen.read_text()).get("eos_token_id")
-            ids |= set(e if isinstance(e, list) else [] if e is None else [e])
-        if getattr(self.tokenizer, "eos_token_id", None) is not None: ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return eos_token_ids(self.model_dir, self.config, self.tokenizer)
+
+# %% ../nbs/12_engine.ipynb #3ba2ff9e
+def worker_spec(ec: EngineConfig, kernels: KernelConfig, dtype: torch.dtype | None) -> dict:
+    "What every tensor-parallel worker needs to build its own runner, as JSON (the kernels resolved by rank 0)."
+    return dict(dtype=str(dtype).removeprefix("torch.") if dtype else None, kernels=asdict(kernels),
+                block_size=ec.cache.block_size, utilization=ec.cache.gpu_memory_utilization,
+                max_num_batched_tokens=ec.batch.max_num_batched_tokens, max_num_seqs=ec.batch.max_num_seqs,
+                max_model_len=ec.load.max_model_len, num_kv_blocks=ec.cache.num_kv_blocks)
+
+
+def eos_token_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
+    "The config's end-of-sequence ids, those of generation_config.json, and the tokenizer's."
+    ids = set(config.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(e if isinstance(e, list) else [] if e is None else [e])
+    if getattr(tokenizer, "eos_token_id", None) is not None: ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
 
 # %% ../nbs/12_engine.ipynb #29dc9eec
 class EngineStart(EngineLoad):
@@ -362,27 +378,36 @@ class EngineStart(EngineLoad):
         for k, v in info.items(): setattr(self, k, v)
         return num_blocks
 
-# %% ../nbs/12_engine.ipynb #ad27b9e4
+# %% ../nbs/12_engine.ipynb #b8d16c02
+def prompt_token_ids(tokenizer, prompt, vocab_size: int) -> tuple[str | None, list[int]]:
+    "(text, token ids) of a prompt given as a string or as token ids, each id checked against the vocabulary."
+    if isinstance(prompt, str): text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    elif isinstance(prompt, (list, tuple)): text, ids = None, list(prompt)
+    else: raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids: raise ValueError("the prompt is empty")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad: raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+    return text, ids
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    "The prompt and its longest output must fit the context."
+    total = num_prompt_tokens + max_tokens
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens; the context is {max_model_len} tokens")
+    if total > max_model_len:
+        raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                         f"context of {max_model_len} tokens")
+
+# %% ../nbs/12_engine.ipynb #c79c15e4
 class EngineRequests(EngineStart):
     "Requests in: every prompt and parameter checked before anything is queued."
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str): text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)): text, ids = None, list(prompt)
-        else: raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids: raise ValueError("the prompt is empty")
-        V = self.config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
-        if bad: raise ValueError(f"prompt token ids must be integers in [0, {V}), got {bad[:5]}")
-        return text, ids
+        return prompt_token_ids(self.tokenizer, prompt, self.config.vocab_size)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
-        total = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} tokens")
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                             f"context of {self.max_model_len} tokens")
+        check_context(len(ids), params.max_tokens, self.max_model_len)
 
     def add_request(self, prompt, params: SamplingParams | None = None, stream: bool = True) -> int:
         "Validate and queue one prompt; returns its request id. `stream=False`: reported only when finished."
@@ -451,9 +476,9 @@ class EngineStep(EngineRequests):
                    decode_only=step.is_decode_only, gap=gap, schedule=t1 - t0, update=update, total=t3 - t0 + gap)
         self.ledger.rows.append(row)
 
-# %% ../nbs/12_engine.ipynb #8f6f14c2
-class EngineAsync(EngineStep):
-    "Async scheduling: the host schedules and packs step N+1 while the GPU runs step N."
+# %% ../nbs/12_engine.ipynb #1298ae43
+class EngineLaunch(EngineStep):
+    "The pieces of async scheduling: launching the next step early, and the ledger row of such a call."
 
     def _launch_next(self, row: dict | None):
         "Schedule, pack and launch the next step: (step, launched, when scheduling ended); no step: (None, None, now)."
@@ -468,6 +493,18 @@ class EngineAsync(EngineStep):
         except BaseException:
             sched.cancel(step)             # nothing of it is applied; it will be scheduled again
             raise
+
+    def _async_ledger_row(self, row: dict, step: Step, launched: bool, t0, t1, t2, t3) -> None:
+        "The ledger row of one call: the host phases of launching N+1, the GPU time and wait of N."
+        row.setdefault("sync", 0.0)
+        if launched: row["prepare"] = (t2 - t1) - row["h2d"] - row["launch"]
+        else: row.update(prepare=0.0, h2d=0.0, launch=0.0)
+        row.setdefault("gpu", 0.0)
+        self._ledger_row(row, step, t0, t1, (t3 - t2) - row["sync"], t3)
+
+# %% ../nbs/12_engine.ipynb #2aebd952
+class EngineAsync(EngineLaunch):
+    "Async scheduling: the host schedules and packs step N+1 while the GPU runs step N."
 
     def _step_async(self) -> list[RequestOutput]:
         """One call launches step N+1 and then completes step N: N+1's decodes take N's tokens on the device
@@ -491,14 +528,6 @@ class EngineAsync(EngineStep):
         if row is not None: self._async_ledger_row(row, step or done[0], step is not None, t0, t1, t2, t3)
         self._last_step_end = t3
         return reports
-
-    def _async_ledger_row(self, row: dict, step: Step, launched: bool, t0, t1, t2, t3) -> None:
-        "The ledger row of one call: the host phases of launching N+1, the GPU time and wait of N."
-        row.setdefault("sync", 0.0)
-        if launched: row["prepare"] = (t2 - t1) - row["h2d"] - row["launch"]
-        else: row.update(prepare=0.0, h2d=0.0, launch=0.0)
-        row.setdefault("gpu", 0.0)
-        self._ledger_row(row, step, t0, t1, (t3 - t2) - row["sync"], t3)
 
 # %% ../nbs/12_engine.ipynb #9bdd9ad5
 def find_stop(full: str, shown: int, stops: tuple[str, ...], finished: bool) -> tuple[str, bool]:

@@ -22,11 +22,13 @@ from .runtime import pdl_supported
 from .scheduler import Step
 
 # %% auto #0
-__all__ = ['KernelConfig', 'model_kernels', 'hash_uniform', 'SamplingMetadata', 'sample', 'StepInputs', 'pack_eager',
-           'pack_graph_step', 'add_feeds', 'eager_inputs', 'sampling_metadata', 'feed_of', 'RunnerSetup', 'RunnerHost',
-           'RunnerDevice', 'ModelRunner', 'kv_block_bytes', 'step_peak_bytes', 'kv_cache_blocks']
+__all__ = ['KernelConfig', 'resolve_kernels', 'model_kernels', 'hash_uniform', 'SamplingMetadata', 'sample', 'StepInputs',
+           'Sections', 'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager', 'pack_graph_step',
+           'add_feeds', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer', 'RunnerSetup',
+           'compile_decode_variants', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice', 'ModelRunner', 'kv_block_bytes',
+           'step_peak_bytes', 'kv_cache_blocks']
 
-# %% ../nbs/10_runner.ipynb #bb9e84a7
+# %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
 class KernelConfig:
     "Which kernels run a step. `None`: chosen for the device by `resolve`."
@@ -50,18 +52,22 @@ class KernelConfig:
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")
 
     def resolve(self, device: torch.device) -> KernelConfig:
-        """The defaults filled in for `device`. Asking for programmatic dependent launch where it cannot run is an
-        error, not a silent fallback; CUDA graphs need the Triton attention kernels and a GPU."""
-        k, cuda = self, device.type == "cuda"
-        backend = k.attention_backend or ("triton" if cuda else "torch")
-        fused = cuda if k.fused_kernels is None else k.fused_kernels
-        supported = pdl_supported(device)
-        if k.pdl and not supported:
-            raise ValueError("pdl=True needs a CUDA GPU of compute capability 9.0 or later and compiled Triton kernels")
-        return replace(k, attention_backend=backend, fused_kernels=fused,
-                       row_gemv=fused if k.row_gemv is None else k.row_gemv,
-                       pdl=supported if k.pdl is None else k.pdl,
-                       cuda_graphs=cuda and backend == "triton" and k.cuda_graphs)
+        "The defaults filled in for `device` (`resolve_kernels`)."
+        return resolve_kernels(self, device)
+
+# %% ../nbs/10_runner.ipynb #1bdf7ff4
+def resolve_kernels(k: KernelConfig, device: torch.device) -> KernelConfig:
+    "`k` with every `None` decided for `device`."
+    cuda = device.type == "cuda"
+    backend = k.attention_backend or ("triton" if cuda else "torch")
+    fused = cuda if k.fused_kernels is None else k.fused_kernels
+    supported = pdl_supported(device)
+    if k.pdl and not supported:
+        raise ValueError("pdl=True needs a CUDA GPU of compute capability 9.0 or later and compiled Triton kernels")
+    return replace(k, attention_backend=backend, fused_kernels=fused,
+                   row_gemv=fused if k.row_gemv is None else k.row_gemv,
+                   pdl=supported if k.pdl is None else k.pdl,
+                   cuda_graphs=cuda and backend == "triton" and k.cuda_graphs)
 
 # %% ../nbs/10_runner.ipynb #ef21cc7e
 def model_kernels(k: KernelConfig) -> ModelKernels:
@@ -142,7 +148,7 @@ def _sampling_ints(sampling) -> list[int]:
     "The integer sections of the sampling rows (top-k, seed, offset), packed after a step's own integers."
     return [x[2] for x in sampling] + [x[3] for x in sampling] + [x[4] for x in sampling]
 
-# %% ../nbs/10_runner.ipynb #7f93eabd
+# %% ../nbs/10_runner.ipynb #300051f2
 @dataclass
 class StepInputs:
     """One step's model inputs packed on the host: every integer in `ints`, every float in `floats`, and the
@@ -165,7 +171,7 @@ class StepInputs:
     prefill_max_q_len: int = 0
     max_decode_context_len: int = 0
 
-
+# %% ../nbs/10_runner.ipynb #547ecfad
 def _with_sampling(layout: dict, ints, sampling) -> StepInputs:
     "A `StepInputs` of a step's integers (a list or an int64 `array`) and `layout`, the sampling rows appended."
     packed = ints if isinstance(ints, array.array) else array.array("q", ints)
@@ -176,38 +182,65 @@ def _with_sampling(layout: dict, ints, sampling) -> StepInputs:
                       num_step_ints=num_step_ints, num_sampled=len(sampling), all_greedy=all(x[0] == 0 for x in sampling),
                       any_filter=any(x[0] > 0 and (x[1] < 1 or x[2] > 0) for x in sampling), **layout)
 
-# %% ../nbs/10_runner.ipynb #f8944eea
+# %% ../nbs/10_runner.ipynb #21c25112
+class Sections:
+    "A list of ints cut into named sections: name -> (start, length)."
+    def __init__(self): self.ints, self.sections = [], {}
+
+    def put(self, name: str, values) -> None:
+        self.sections[name] = (len(self.ints), len(values)); self.ints.extend(values)
+
+# %% ../nbs/10_runner.ipynb #e923aa39
+def put_decodes(sec: Sections, decodes: list) -> int:
+    "The decodes' context lengths and block tables `[B, width]`; returns the width (a power of two)."
+    width = _pow2(max((len(s.block_table) for s in decodes), default=1))
+    sec.put("context_lens", [s.context_len for s in decodes])
+    sec.put("block_tables", [b for s in decodes for b in s.block_table + [0] * (width - len(s.block_table))])
+    return width
+
+
+def put_prefills(sec: Sections, prefills: list) -> int:
+    "Each prefill chunk's table, then the chunks as padded tensors for the prefill kernel; returns their width."
+    for i, s in enumerate(prefills): sec.put(f"prefill_table_{i}", s.block_table)
+    width = max((len(s.block_table) for s in prefills), default=1)
+    sec.put("prefill_tables", [b for s in prefills for b in s.block_table + [0] * (width - len(s.block_table))])
+    sec.put("prefill_cu_q_lens", list(itertools.accumulate((s.num_tokens for s in prefills), initial=0)))
+    sec.put("prefill_start_pos", [s.start_pos for s in prefills])
+    return width
+
+# %% ../nbs/10_runner.ipynb #51f5548d
+def sample_rows(step: Step) -> list[int]:
+    "The flat-batch row of each sampled sequence's last token."
+    rows, t = [], 0
+    for s in step.seqs:
+        t += s.num_tokens
+        if s.sample: rows.append(t - 1)
+    return rows
+
+
+def prefill_chunks(prefills: list, num_decodes: int) -> list[tuple[int, int, int]]:
+    "(first row, tokens, start position) of each prefill chunk; the decodes' rows come first."
+    chunks, t = [], num_decodes
+    for s in prefills:
+        chunks.append((t, s.num_tokens, s.start_pos)); t += s.num_tokens
+    return chunks
+
+# %% ../nbs/10_runner.ipynb #f83f03fa
 def pack_eager(step: Step, sampling) -> StepInputs:
     "An eager step's integers in named sections, and its layout."
     decodes = [s for s in step.seqs if s.is_decode]
     prefills = [s for s in step.seqs if not s.is_decode]
-    width = _pow2(max((len(s.block_table) for s in decodes), default=1))
-    ints, sections = [], {}
-    def put(name, values):
-        sections[name] = (len(ints), len(values)); ints.extend(values)
-    put("input_ids", step.token_ids)
-    put("positions", step.positions)
-    put("slot_mapping", step.slot_mapping)
-    put("context_lens", [s.context_len for s in decodes])
-    put("block_tables", [b for s in decodes for b in s.block_table + [0] * (width - len(s.block_table))])
-    for i, s in enumerate(prefills): put(f"prefill_table_{i}", s.block_table)
-    pwidth = max((len(s.block_table) for s in prefills), default=1)
-    put("prefill_tables", [b for s in prefills for b in s.block_table + [0] * (pwidth - len(s.block_table))])
-    put("prefill_cu_q_lens", list(itertools.accumulate((s.num_tokens for s in prefills), initial=0)))
-    put("prefill_start_pos", [s.start_pos for s in prefills])
-    sample_rows, t = [], 0
-    for s in step.seqs:
-        t += s.num_tokens
-        if s.sample: sample_rows.append(t - 1)
-    put("sample_rows", sample_rows)
-    chunks, t = [], len(decodes)
-    for s in prefills:
-        chunks.append((t, s.num_tokens, s.start_pos)); t += s.num_tokens
-    return _with_sampling(dict(width=width, sections=sections, num_decodes=len(decodes), prefill_width=pwidth,
-                               prefill_chunks=chunks,
+    sec = Sections()
+    sec.put("input_ids", step.token_ids)
+    sec.put("positions", step.positions)
+    sec.put("slot_mapping", step.slot_mapping)
+    width, pwidth = put_decodes(sec, decodes), put_prefills(sec, prefills)
+    sec.put("sample_rows", sample_rows(step))
+    return _with_sampling(dict(width=width, sections=sec.sections, num_decodes=len(decodes), prefill_width=pwidth,
+                               prefill_chunks=prefill_chunks(prefills, len(decodes)),
                                prefill_max_q_len=max((s.num_tokens for s in prefills), default=0),
                                max_decode_context_len=max((s.context_len for s in decodes), default=0)),
-                          ints, sampling)
+                          sec.ints, sampling)
 
 # %% ../nbs/10_runner.ipynb #1db87a59
 def pack_graph_step(step: Step, sampling, bucket: int, width: int) -> StepInputs:
@@ -243,7 +276,7 @@ def add_feeds(x: StepInputs, step: Step) -> StepInputs:
         x.num_feeds = len(feeds)
     return x
 
-# %% ../nbs/10_runner.ipynb #168fe099
+# %% ../nbs/10_runner.ipynb #9a65744a
 def eager_inputs(x: StepInputs, dev_i: torch.Tensor):
     "Device views of an eager step's sections: ids, positions, attention metadata, sampled rows."
     get = lambda name: dev_i[x.sections[name][0]:sum(x.sections[name])]
@@ -257,7 +290,7 @@ def eager_inputs(x: StepInputs, dev_i: torch.Tensor):
                              prefill_max_q_len=x.prefill_max_q_len, max_decode_context_len=x.max_decode_context_len)
     return get("input_ids"), get("positions"), meta, get("sample_rows")
 
-
+# %% ../nbs/10_runner.ipynb #43be9bc4
 def sampling_metadata(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor) -> SamplingMetadata:
     "The sampled rows' parameters, as views of the step's one copy."
     n, k = x.num_sampled, x.num_step_ints
@@ -272,9 +305,36 @@ def feed_of(x: StepInputs, dev_i: torch.Tensor, last_sampled: torch.Tensor | Non
     base, f = x.num_step_ints + 3 * x.num_sampled, x.num_feeds
     return dev_i[base:base + f], last_sampled, dev_i[base + f:base + 2 * f]
 
-# %% ../nbs/10_runner.ipynb #5286acfe
+# %% ../nbs/10_runner.ipynb #c49c6d50
+class StagingBuffer:
+    "A pinned host buffer that carries each step's integers and floats to the device in one copy."
+    def __init__(self):
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        self.free = None                   # an event after the last copy out of the buffer
+        self.num_copies = 0
+
+    def copy(self, ints: array.array, floats: array.array, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        "One host-to-device copy of all the step's integers and floats: (int64 view, float32 view) on `device`."
+        # array.array packs a list 3x faster than torch.tensor(list) (0.3 vs 0.9 ms for 17,000 ints)
+        host_i, host_f = _host_tensor(ints, torch.int64), _host_tensor(floats, torch.float32)
+        if device.type == "cpu": return host_i, host_f
+        ni, nbytes = len(ints), 8 * len(ints) + 4 * len(floats)
+        # a step that samples nothing never waits for the GPU, so its copy may still be reading the buffer
+        if self.free is not None: self.free.synchronize()
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(max(nbytes, 2 * self.buf.numel()), dtype=torch.uint8, pin_memory=True)
+        buf = self.buf[:nbytes]
+        buf[:8 * ni].view(torch.int64).copy_(host_i)
+        buf[8 * ni:].view(torch.float32).copy_(host_f)
+        dev = buf.to(device, non_blocking=True)
+        self.free = torch.cuda.Event()
+        self.free.record()
+        self.num_copies += 1
+        return dev[:8 * ni].view(torch.int64), dev[8 * ni:].view(torch.float32)
+
+# %% ../nbs/10_runner.ipynb #7e77f4ec
 class RunnerSetup:
-    "A model runner's state: the model, its KV cache, its kernel choices and (once enabled) its CUDA graphs."
+    "A model runner's state: the model, its KV cache, its kernel choices, its staging buffer."
 
     def __init__(self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, kernels: KernelConfig | None = None):
@@ -284,15 +344,34 @@ class RunnerSetup:
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=device)   # [L, 2, N, bs, KVH, D]
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
-        self._staging = torch.empty(0, dtype=torch.uint8)
-        self._staging_free = None          # an event after the last copy out of the pinned staging buffer
-        self.num_h2d_copies = 0
+        self.staging = StagingBuffer()
         self.graphs = None                 # a `DecodeGraphs` (the CUDA-graphs chapter) once enabled
         self.mixed_graphs = None           # and a `MixedGraphs`, for steps with prefill chunks
         self.step_sender = None            # tensor parallel: sends each `StepInputs` to the other ranks
         self._last_sampled = None          # the last launched step's sampled tokens, on the device
         self._host_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]  # pinned ring
         self.step_spans: list | None = None  # a list: each GPU step appends its (start, end) timing events
+
+    @property
+    def num_h2d_copies(self) -> int: return self.staging.num_copies
+
+    def _to_device(self, ints: array.array, floats: array.array) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.staging.copy(ints, floats, self.device)
+
+# %% ../nbs/10_runner.ipynb #892fda7d
+def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device) -> None:
+    "Compile every variant of the Triton decode kernel an eager step can pick (split-K of 1 to 16)."
+    k_cache, v_cache = kv_caches[0]
+    attn = model.layers[0].self_attn
+    q = torch.zeros(1, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device=device)   # [1, H, D]
+    table = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    ctx = torch.ones(1, dtype=torch.int64, device=device)
+    for splits in (1, 2, 4, 8, 16):
+        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
+
+# %% ../nbs/10_runner.ipynb #686e89c5
+class RunnerGraphs(RunnerSetup):
+    "CUDA graphs for decode-only steps and for steps with prefill chunks (the CUDA-graphs chapter)."
 
     def enable_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True,
                       progress: bool = False, token_sizes: list[int] | None = None) -> None:
@@ -312,49 +391,20 @@ class RunnerSetup:
 
     @torch.inference_mode()
     def compile_kernels(self) -> None:
-        """Compile every variant of the Triton decode kernel an eager step can pick (split-K of 1 to 16) now, not
-        while a request waits (each variant is a compile of about a second, then a disk-cache hit)."""
-        k_cache, v_cache = self.kv_caches[0]
-        attn = self.model.layers[0].self_attn
-        q = torch.zeros(1, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device=self.device)   # [1, H, D]
-        table = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        ctx = torch.ones(1, dtype=torch.int64, device=self.device)
-        for splits in (1, 2, 4, 8, 16):
-            decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
+        "Compile the decode kernel's variants now (a second each, then a disk-cache hit), not mid-request."
+        compile_decode_variants(self.model, self.kv_caches, self.device)
 
-# %% ../nbs/10_runner.ipynb #13571fe7
-class RunnerHost(RunnerSetup):
-    "The host side of a step: packing it, and its one copy to the device."
-
-    def _to_device(self, ints: array.array, floats: array.array) -> tuple[torch.Tensor, torch.Tensor]:
-        "One host-to-device copy of all the step's integers and floats."
-        # array.array packs a list 3x faster than torch.tensor(list) (0.3 vs 0.9 ms for 17,000 ints)
-        host_i, host_f = _host_tensor(ints, torch.int64), _host_tensor(floats, torch.float32)
-        if self.device.type == "cpu": return host_i, host_f
-        ni, nf = len(ints), len(floats)
-        nbytes = 8 * ni + 4 * nf
-        # a step that samples nothing never waits for the GPU, so its copy may still be reading the buffer
-        if self._staging_free is not None: self._staging_free.synchronize()
-        if self._staging.numel() < nbytes:
-            self._staging = torch.empty(max(nbytes, 2 * self._staging.numel()), dtype=torch.uint8, pin_memory=True)
-        buf = self._staging[:nbytes]
-        buf[:8 * ni].view(torch.int64).copy_(host_i)
-        buf[8 * ni:].view(torch.float32).copy_(host_f)
-        dev = buf.to(self.device, non_blocking=True)
-        self._staging_free = torch.cuda.Event()
-        self._staging_free.record()
-        self.num_h2d_copies += 1
-        return dev[:8 * ni].view(torch.int64), dev[8 * ni:].view(torch.float32)
+# %% ../nbs/10_runner.ipynb #2612ff8d
+class RunnerHost(RunnerGraphs):
+    "The host side of a step: packing it for the way it will run."
 
     def pack(self, step: Step, sampling: list[tuple[float, float, int, int, int]]) -> StepInputs:
         "The host side of `step`: `sampling` holds (temperature, top_p, top_k, seed, offset) per sampled row."
-        replay = self.graph_bucket(step)
-        if replay:
+        if replay := self.graph_bucket(step):
             bucket, max_blocks = replay
             width = min(_pow2(max_blocks), self.graphs.max_blocks)    # the longest block table, rounded up
             return add_feeds(pack_graph_step(step, sampling, bucket, width), step)
-        mixed = self.mixed_bucket(step)
-        if mixed:
+        if mixed := self.mixed_bucket(step):
             bucket, max_blocks = mixed
             width = min(_pow2(max_blocks), self.mixed_graphs.max_blocks)
             x = _with_sampling(dict(mixed_bucket=bucket, num_seqs=len(step.seqs), width=width),
@@ -376,9 +426,9 @@ class RunnerHost(RunnerSetup):
         bucket = self.mixed_graphs.bucket(step.num_tokens, max_blocks)
         return None if bucket is None else (bucket, max_blocks)
 
-# %% ../nbs/10_runner.ipynb #2d38bc0c
+# %% ../nbs/10_runner.ipynb #790df649
 class RunnerDevice(RunnerHost):
-    "The device side's pieces: the forward pass and sampler of each kind of step, the copy back, the timing."
+    "The device side's pieces: the forward pass and sampler of each kind of step, and the copy back."
 
     def _sampled_tokens(self, x: StepInputs, dev_i, smeta, feed, start) -> torch.Tensor | None:
         "Queue the forward pass and the sampler: the decode graph, the mixed-step graph, or eagerly."
@@ -406,14 +456,7 @@ class RunnerDevice(RunnerHost):
         done.record()
         return host, done
 
-    def _span_events(self, ledger_row: dict | None):
-        "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
-        if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None
-        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self.step_spans is not None: self.step_spans.append(events)
-        return events
-
-# %% ../nbs/10_runner.ipynb #d794ea1c
+# %% ../nbs/10_runner.ipynb #2b1f9f1c
 class ModelRunner(RunnerDevice):
     "Runs the model for one scheduler step: inputs in one copy, forward, logits for sampled rows, sampling."
 
@@ -435,6 +478,13 @@ class ModelRunner(RunnerDevice):
         if self.device.type == "cuda" and tokens is not None: tokens, done = self._copy_back(tokens, x.num_sampled)
         if ledger_row is not None: ledger_row["launch"] = time.perf_counter() - t0
         return tokens, done, events, t0
+
+    def _span_events(self, ledger_row: dict | None):
+        "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
+        if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None
+        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self.step_spans is not None: self.step_spans.append(events)
+        return events
 
     def wait(self, launched: tuple, ledger_row: dict | None = None) -> list[int]:
         "The sampled tokens of a `launch`ed step, once they are on the host: the step's one sync."

@@ -36,7 +36,8 @@ def package_imports(name: str, tree: ast.Module, top_level: bool) -> list[tuple[
     for n in nodes:
         if isinstance(n, ast.ImportFrom):
             mod = n.module or ""
-            if n.level: found.append((n.lineno, mod.split(".")[0] or name))
+            if n.level and mod: found.append((n.lineno, mod.split(".")[0]))
+            elif n.level: found += [(n.lineno, a.name) for a in n.names]
             elif mod.startswith("nanoserve."): found.append((n.lineno, mod.split(".")[1]))
             elif mod == "nanoserve": found += [(n.lineno, a.name) for a in n.names]
         elif isinstance(n, ast.Import):
@@ -80,7 +81,8 @@ def test_import_checker_sees_local_and_relative_imports():
 
 
 def _module_level_state(tree: ast.Module) -> list[tuple[int, str]]:
-    "Module-level names bound to a bool constant or a mutable container (a switch or a table a script could patch)."
+    """Module-level names bound to a bool constant (a switch), or public names bound to a mutable container (a table a
+    script could patch: freeze it, e.g. a tuple or `types.MappingProxyType`). Private lookup tables are fine."""
     found = []
     for n in tree.body:
         if not isinstance(n, (ast.Assign, ast.AnnAssign)) or n.value is None: continue
@@ -90,12 +92,13 @@ def _module_level_state(tree: ast.Module) -> list[tuple[int, str]]:
             isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in ("dict", "list", "set"))
         switch = isinstance(v, ast.Constant) and isinstance(v.value, bool)
         if mutable or switch:
-            found += [(n.lineno, t.id) for t in targets if isinstance(t, ast.Name) and t.id != "__all__"]
+            found += [(n.lineno, t.id) for t in targets if isinstance(t, ast.Name) and t.id != "__all__"
+                      and (switch or not t.id.startswith("_"))]
     return found
 
 
 # Lazily filled caches keyed by device: filled on first use, never read as a setting.
-CACHES = {("runtime", "_NUM_SMS"), ("runtime", "_SPLIT_COUNTERS")}
+CACHES: set = set()
 
 
 def test_no_module_level_switches():
@@ -107,8 +110,8 @@ def test_no_module_level_switches():
 
 
 def test_switch_checker_catches_offenders():
-    tree = ast.parse("A = True\nB: dict = {}\nC = (1, 2)\nD = frozenset()\n_E = []\n__all__ = ['x']\n")
-    assert _module_level_state(tree) == [(1, "A"), (2, "B"), (5, "_E")]
+    tree = ast.parse("A = True\nB: dict = {}\nC = (1, 2)\nD = frozenset()\n_E = []\n_F = False\n__all__ = ['x']\n")
+    assert _module_level_state(tree) == [(1, "A"), (2, "B"), (6, "_F")]
 
 
 def test_importing_changes_no_environment():
