@@ -17,12 +17,55 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['TORCH_KERNELS', 'SHAPES', 'ModelConfig', 'RMSNorm', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk',
-           'AttentionMetadata', 'write_kv', 'decode_attention_ref', 'prefill_attention_ref', 'attend_ref',
-           'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm', 'mlp_gemv', 'gemv_takes_norm', 'norm_linear',
-           'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
+__all__ = ['TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields', 'read_config_json', 'ModelConfig', 'RMSNorm',
+           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'write_kv',
+           'decode_attention_ref', 'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels',
+           'linear', 'rms_norm', 'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP',
+           'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
+def check_supported(d: dict) -> None:
+    "Refuse a `config.json` dict that asks for what our forward pass does not implement."
+    if d.get("model_type", "qwen2") != "qwen2":
+        raise ValueError(f"config: model_type {d.get('model_type')!r} is not supported (only qwen2)")
+    if d.get("use_sliding_window"): raise ValueError("config: sliding-window attention is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(f"config: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    if "head_dim" in d and d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
+        raise ValueError("config: head_dim other than hidden_size // num_attention_heads is not supported")
+
+# %% ../nbs/02_model.ipynb #d6063af7
+def hf_config_fields(d: dict) -> dict:
+    "`ModelConfig`'s fields from a `config.json` dict of either layout (transformers 4 or 5)."
+    check_supported(d)
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    eos = d.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=d["num_attention_heads"],
+                num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                max_position_embeddings=d.get("max_position_embeddings", 32768),
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_ids=eos)
+
+# %% ../nbs/02_model.ipynb #679f9021
+def read_config_json(model_dir) -> dict:
+    "The `config.json` of a model folder, with errors that name the folder or the file."
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir(): raise FileNotFoundError(f"model folder not found: {model_dir}")
+    if not path.is_file(): raise FileNotFoundError(f"no config.json in model folder {model_dir}")
+    try: d = json.loads(path.read_text())
+    except json.JSONDecodeError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing: raise ValueError(f"{path} lacks {', '.join(missing)}")
+    return d
+
+# %% ../nbs/02_model.ipynb #28bcfa65
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
@@ -59,38 +102,10 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int: return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        if d.get("model_type", "qwen2") != "qwen2":
-            raise ValueError(f"config: model_type {d.get('model_type')!r} is not supported (only qwen2)")
-        if d.get("use_sliding_window"): raise ValueError("config: sliding-window attention is not supported")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"config: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        if "head_dim" in d and d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
-            raise ValueError("config: head_dim other than hidden_size // num_attention_heads is not supported")
-        eos = d.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                   num_attention_heads=d["num_attention_heads"],
-                   num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                   max_position_embeddings=d.get("max_position_embeddings", 32768),
-                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_ids=eos)
+    def from_dict(cls, d: dict) -> "ModelConfig": return cls(**hf_config_fields(d))
 
     @classmethod
-    def from_model_dir(cls, model_dir) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not Path(model_dir).is_dir(): raise FileNotFoundError(f"model folder not found: {model_dir}")
-        if not path.is_file(): raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-        try: d = json.loads(path.read_text())
-        except json.JSONDecodeError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
-        if missing: raise ValueError(f"{path} lacks {', '.join(missing)}")
-        return cls.from_dict(d)
+    def from_model_dir(cls, model_dir) -> "ModelConfig": return cls.from_dict(read_config_json(model_dir))
 
 # %% ../nbs/02_model.ipynb #e4bc2659
 class RMSNorm(nn.Module):
@@ -133,7 +148,7 @@ class RotaryEmbedding(nn.Module):
         cs = self.cos_sin_table[:, positions]                             # [2, T, D]
         return cs[0], cs[1]                                               # [T, D] each
 
-
+# %% ../nbs/02_model.ipynb #8702a337
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -152,7 +167,7 @@ class PrefillChunk:
     start_pos: int            # position of its first token in its sequence
     block_table: torch.Tensor # [num_blocks_of_seq] on the device
 
-
+# %% ../nbs/02_model.ipynb #06e8ff6b
 @dataclass
 class AttentionMetadata:
     "What attention needs to know about one step, on the device (and a few host-side sizes)."
@@ -170,7 +185,7 @@ class AttentionMetadata:
     decode_num_splits: int | None = None              # split-K for the decode kernel (None: its own rule)
     prefill_tile_map: torch.Tensor | None = None      # [2, tiles] (chunk, tile) per prefill program (graph replay)
 
-
+# %% ../nbs/02_model.ipynb #6e81975a
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     "Store new keys/values [T, kv_heads, D] into their cache slots."
@@ -178,7 +193,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [S, KVH, D]
     v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [S, KVH, D]
 
-
+# %% ../nbs/02_model.ipynb #6429c703
 def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
     "Decode attention by gather + SDPA: q [B, H, D] -> [B, H, D]."
     B, H, D = q.shape
@@ -191,7 +206,7 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = F.scaled_dot_product_attention(q.view(B, kv_heads, G, D), k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     return out.reshape(B, H, D)
 
-
+# %% ../nbs/02_model.ipynb #812e975c
 def prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos, scale):
     "One chunk attending causally to itself and fully to its cached prefix: q [n, H, D] -> [n, H, D]."
     n, H, D = q.shape
@@ -206,7 +221,7 @@ def prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos, scale):
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)     # [KVH, G*n, D]
     return out.view(kv_heads, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
 
-
+# %% ../nbs/02_model.ipynb #e4f520f9
 def attend_ref(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     "Reference attention for a mixed step of rotated q, k: write K/V, then decodes batched and prefill chunks one by one."
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -220,7 +235,7 @@ def attend_ref(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         out[s] = prefill_attention_ref(q[s], k_cache, v_cache, c.block_table, c.start_pos, scale)
     return out
 
-
+# %% ../nbs/02_model.ipynb #8bc4ef44
 def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, num_heads: int,
                         num_kv_heads: int, scale: float, pdl: bool = False):
     "The torch attention backend: `qkv` [T, (H+2KVH)*D] before RoPE -> [T, H, D] (`pdl` is for Triton kernels)."
@@ -255,13 +270,13 @@ def linear(layer: nn.Module, x: torch.Tensor, gemv: Callable | None = None, pdl:
     if gemv is not None and _gemv_fits(layer, x): return gemv(x, layer.weight, layer.bias, pdl=pdl)
     return layer(x)
 
-
+# %% ../nbs/02_model.ipynb #3d80ac0a
 def rms_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, kernels: ModelKernels):
     "`norm(x, residual)`, computed by the table's `add_rmsnorm` kernel when it has one."
     if kernels.add_rmsnorm is None: return norm(x, residual)
     return kernels.add_rmsnorm(x, residual, norm.weight, norm.eps, pdl=kernels.pdl)
 
-
+# %% ../nbs/02_model.ipynb #860fff18
 def mlp_gemv(kernels: ModelKernels) -> Callable | None:
     "The MLP's one-row kernel: `gemv` only with `silu_mul`, since its down projection then applies the activation."
     return kernels.gemv if kernels.silu_mul is not None else None
@@ -271,7 +286,7 @@ def gemv_takes_norm(kernels: ModelKernels, gemv: Callable | None) -> bool:
     "Whether a projection's `gemv` normalises its own input: asked for, and the norm is a kernel too."
     return gemv is not None and kernels.norm_in_gemv and kernels.add_rmsnorm is not None
 
-
+# %% ../nbs/02_model.ipynb #0eed7aac
 def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                 gemv: Callable | None, kernels: ModelKernels) -> tuple[torch.Tensor, torch.Tensor]:
     """`(layer(norm(x + residual)), x + residual)` (no residual: `x` is the new one), the projection by `gemv` where
@@ -404,7 +419,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir} "
                             "(only safetensors checkpoints are loaded)")
 
-
+# %% ../nbs/02_model.ipynb #71ad1a9a
 def load_state_dict(model_dir, device="cpu") -> dict[str, torch.Tensor]:
     "All tensors of a safetensors checkpoint (single file or sharded), by their checkpoint names."
     from safetensors import safe_open
@@ -414,7 +429,7 @@ def load_state_dict(model_dir, device="cpu") -> dict[str, torch.Tensor]:
             for name in f.keys(): tensors[name] = f.get_tensor(name)
     return tensors
 
-
+# %% ../nbs/02_model.ipynb #08e30ba2
 def _our_params(cfg: ModelConfig, ckpt: dict) -> dict[str, torch.Tensor]:
     "Map checkpoint tensors to our parameter names, fusing QKV and gate/up."
     def get(name):
@@ -433,7 +448,7 @@ def _our_params(cfg: ModelConfig, ckpt: dict) -> dict[str, torch.Tensor]:
     if not cfg.tie_word_embeddings: out["lm_head.weight"] = get("lm_head.weight")
     return out
 
-
+# %% ../nbs/02_model.ipynb #4ad872fa
 def load_model(model_dir, dtype: torch.dtype | None = None, device="cpu") -> Qwen2ForCausalLM:
     "Build our Qwen2 from a Hugging Face model folder (config.json + safetensors)."
     model_dir = Path(model_dir)
