@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 import types
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -700,7 +700,7 @@ def _frozen(value):
 def quant_tables() -> Mapping:
     """`nanoserve/tables/quant.json`, read once: the rules' configs and the tuned tables keyed by (method, N, K)
     (`tuned_gemm`: (method, N, K, BLOCK_M)), read-only."""
-    raw = json.loads((Path(__file__).parent / "tables" / "quant.json").read_text())
+    raw = json.loads(importlib.resources.files("nanoserve").joinpath("tables/quant.json").read_text())
     key = lambda e: (e["method"], e["N"], e["K"]) + ((e["BLOCK_M"],) if "BLOCK_M" in e else ())
     tables = {name: {key(e): _frozen(e["config"]) for e in raw[name]}
               for name in ("tuned_gemv", "few_rows_gemm", "tuned_gemm")}

@@ -494,8 +494,8 @@ def test_import_without_interpret_on_cpu():
 
 HALF2_COMPILE = """
 import nanoserve.quant as Q
-for cfg in ({}, {"ZPAIR": True}, {"ZPAIR": True, "SHIFT": True}, {"SHIFT": True}, {"DOT": True}):
-    cfg = {"ZPAIR": False, "SHIFT": False, **cfg, "BLOCK_N": 64, "num_warps": 4}   # over the table: its switches off
+for cfg in ({}, {"SHIFT": True}):
+    cfg = {"SHIFT": False, **cfg, "BLOCK_N": 64, "num_warps": 4}   # over the table: the lanes by cvt, then by a shift
     cc = Q.compile_one_row(3584, 3584, "int4", 128, config=cfg)
     ptx = cc.asm["ptx"]
     print(len(cc.asm["cubin"]), ptx.count("lop3.b32"), ptx.count("fma.rn.bf16x2"), ptx.count("cvt.f32.bf16"),
@@ -511,8 +511,8 @@ def test_half2_ptx_compiles_for_hopper():
     # 64 channels x 16 words over 128 threads: 8 words a thread, each 4 lop3 and 8 packed multiply-adds, and two
     # cvt per word unless the lanes are taken by a shift and a mask; the tensor cores: 4 lop3 and 4 packed adds a
     # word, and the mma instructions
-    assert [row[1:4] for row in rows] == [(32, 64, 16), (32, 64, 16), (32, 64, 0), (32, 64, 0), (32, 32, 0)], rows
-    assert all(row[0] > 0 for row in rows) and [row[4] > 0 for row in rows] == [False] * 4 + [True]
+    assert [row[1:4] for row in rows] == [(32, 64, 16), (32, 64, 0)], rows
+    assert all(row[0] > 0 for row in rows) and [row[4] > 0 for row in rows] == [False] * 2
 
 
 INT8_COMPILE = """
@@ -541,7 +541,7 @@ def test_gemv_launch_matches_the_rules():
     shipped = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, plain, interpret=False)
     assert shipped["constexprs"]["HALF2"] and shipped["constexprs"]["ASM"] == PAIRS_ASM
     cpu = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, plain, interpret=True)
-    assert not cpu["constexprs"]["HALF2"] and cpu["constexprs"]["ASM"] == ""       # no PTX under the interpreter
+    assert cpu["constexprs"]["HALF2"] and cpu["constexprs"]["EMULATE"]             # the interpreter emulates the PTX
     z = gemv_launch(1, 3584, 3584, "int4", 128, torch.bfloat16, 132, {"ZPAIR": True, "SHIFT": True}, interpret=True)
     assert z["constexprs"]["HALF2"] and z["constexprs"]["EMULATE"] and z["constexprs"]["ASM"] == PAIRS_ASM_SHIFT
     f = gemv_launch(1, 3584, 3584, "int4", 128, torch.float32, 132, {"ZPAIR": True}, interpret=False)
@@ -657,3 +657,77 @@ def test_static_instruction_counts_agree_with_nsight():
     assert int8["registers"] == ncu["Registers Per Thread"] and int8["config"]["kernel"] == "quant_gemv_kernel"
     assert zpair["estimated_instructions_per_weight"] < shipped["estimated_instructions_per_weight"]
     assert gemm["config"]["kernel"] == "quant_gemm_kernel" and gemm["loop_opcodes"].get("HMMA", 0) > 0
+
+
+TABLE_PTX = """
+import hashlib, json, torch
+import nanoserve.quant as Q
+def norm(ptx):
+    out, skip = [], False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if s.startswith(".section") and ".debug" in s: skip = True
+        if skip:
+            if s == "}": skip = False
+            continue
+        if s.startswith((".loc", ".file", "//", "$L__tmp")) or not s: continue
+        out.append(s)
+    return "\\n".join(out)
+res = {}
+for key in json.loads('@@KEYS@@'):
+    m, shape, dt, *g = key.split()
+    N, K = map(int, shape.split("x"))
+    cc = Q.compile_one_row(N, K, m, 128 if m == "int4" else None, dtype=getattr(torch, dt), gemm=bool(g))
+    res[key] = hashlib.sha256(norm(cc.asm["ptx"]).encode()).hexdigest()[:16]
+print(json.dumps(res))
+"""
+# The PTX (debug lines and labels aside) of every kernel the shipped tables and rules select at one row, recorded
+# before the GEMV kernel was split into one-job helpers: the H200 runs exactly these.
+TABLE_PTX_HASHES = {
+    "int8 896x896 bfloat16": "2b8497ba791ef1d0",
+    "int8 896x4864 bfloat16": "7d3d3aa6a0f609da",
+    "int8 1152x896 bfloat16": "2b8497ba791ef1d0",
+    "int8 1536x1536 bfloat16": "0e59020f8ef24dff",
+    "int8 1536x8960 bfloat16": "9fa707b39477791a",
+    "int8 1536x8960 float16": "f5a82e7df291056a",
+    "int8 2048x1536 bfloat16": "0e59020f8ef24dff",
+    "int8 3584x3584 bfloat16": "4b9a4812977ca4cb",
+    "int8 3584x3584 bfloat16 gemm": "5655dba143b420e4",
+    "int8 3584x3584 float16": "d22d652bf19aee0d",
+    "int8 3584x3584 float16 gemm": "c15fc4ba95727075",
+    "int8 3584x18944 bfloat16": "47040c26d12da293",
+    "int8 3584x18944 bfloat16 gemm": "5655dba143b420e4",
+    "int8 4608x3584 bfloat16": "b3bfa6aa73708c16",
+    "int8 9728x896 bfloat16": "1738dc2d3f617a87",
+    "int8 17920x1536 bfloat16": "4e082b612cbea45f",
+    "int8 37888x3584 bfloat16": "4e082b612cbea45f",
+    "int8 37888x3584 bfloat16 gemm": "1385b68eaf589368",
+    "int8 152064x3584 bfloat16": "4e082b612cbea45f",
+    "int4 896x896 bfloat16": "c8bea3107534ccdc",
+    "int4 896x4864 bfloat16": "9ae9e55b26ec8663",
+    "int4 1152x896 bfloat16": "b0d739296626eac6",
+    "int4 1536x1536 bfloat16": "e8dbc797c4933a12",
+    "int4 1536x8960 bfloat16": "82424bc8f6d633aa",
+    "int4 1536x8960 float16": "54b15df3654c0459",
+    "int4 2048x1536 bfloat16": "e8dbc797c4933a12",
+    "int4 3584x3584 bfloat16": "c822ad0bcd90724a",
+    "int4 3584x3584 bfloat16 gemm": "2f9e3cc80f673ba8",
+    "int4 3584x3584 float16": "b67b3b4d0d0ad97d",
+    "int4 3584x3584 float16 gemm": "3703bfbe4527a95d",
+    "int4 3584x18944 bfloat16": "3e41da56af32afd4",
+    "int4 4608x3584 bfloat16": "9ae9e55b26ec8663",
+    "int4 9728x896 bfloat16": "ba6c75e5700506d3",
+    "int4 17920x1536 bfloat16": "82424bc8f6d633aa",
+    "int4 37888x3584 bfloat16": "3e41da56af32afd4",
+    "int4 37888x3584 bfloat16 gemm": "b888d4f7e596909c",
+    "int4 152064x3584 bfloat16": "a5fce2dee8af2291"
+}
+
+
+def test_table_selected_kernels_are_unchanged():
+    """Every kernel the tuning tables and rules select at one row (7B, 1.5B and 0.5B shapes, bf16 and fp16, GEMV
+    and the few-rows GEMM), compiled for sm_90 on the CPU, has the PTX it had when the tables were measured."""
+    import json
+    script = TABLE_PTX.replace("@@KEYS@@", json.dumps(sorted(TABLE_PTX_HASHES)))
+    got = json.loads(compiled_run(script, 900).strip().splitlines()[-1])
+    assert got == TABLE_PTX_HASHES
