@@ -26,7 +26,7 @@ SIZE, COUNT = 4096, 48
 COMMAND = "PYTHONPATH=. python kernels/clock_ramp_h200.py --out $OUT"
 
 
-from nanoserve.bench import run_meta as meta_info   # git sha, GPU, versions, date
+from nanoserve.measure import run_meta as meta_info   # git sha, GPU, versions, date
 
 
 SMI_FIELDS = ("clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap,temperature.gpu",

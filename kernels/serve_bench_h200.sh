@@ -34,8 +34,8 @@ for _ in range(240):
     except Exception: time.sleep(0.5)
 PY
 # warm the server (Triton compiles, first-touch allocations) with 32 requests at the workload's lengths, unmeasured
-timeout 150 python -m nanoserve.bench --endpoint http://127.0.0.1:8765 --served-model qwen-0.5b-random $COMMON \
+timeout 150 python -m nanoserve.endpoint --endpoint http://127.0.0.1:8765 --served-model qwen-0.5b-random $COMMON \
   --num-requests 32 --repeats 1 --vocab-size 151936 --max-model-len 32768 --out /tmp/warm_http.json 2>&1 | filter
-timeout 200 python -m nanoserve.bench --endpoint http://127.0.0.1:8765 --served-model qwen-0.5b-random $COMMON --rate $RATE \
+timeout 200 python -m nanoserve.endpoint --endpoint http://127.0.0.1:8765 --served-model qwen-0.5b-random $COMMON --rate $RATE \
   --vocab-size 151936 --max-model-len 32768 --out $OUT/bench_lognormal_poisson_http.json 2>&1 | filter
 kill -INT $SERVER; wait $SERVER

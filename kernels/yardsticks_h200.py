@@ -19,7 +19,7 @@ SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
              vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
 
 
-from nanoserve.bench import run_meta as meta_info   # git sha, GPU, versions, date
+from nanoserve.measure import run_meta as meta_info   # git sha, GPU, versions, date
 
 
 def make_checkpoint(path: Path, seed: int = 0):

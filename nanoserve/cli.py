@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-# %% auto #0
-__all__ = ['simulate_summary', 'cmd_simulate', 'cmd_generate', 'build_parser', 'main']
 
-# %% ../nbs/90_cli.ipynb #3d37673c
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
+# %% auto #0
+__all__ = ['simulate_summary', 'replay_check', 'print_simulation', 'simulate_policies', 'cmd_simulate', 'generate_engine',
+           'cmd_generate', 'build_parser', 'main']
 
+# %% ../nbs/90_cli.ipynb #3d37673c
 def simulate_summary(result, requests) -> dict:
     "Per-run figures of a `SimResult`, in scheduler steps."
     seqs = result.seqs.values()
@@ -32,37 +33,21 @@ def simulate_summary(result, requests) -> dict:
             "ttft_p50": _percentile(ttft, .5), "ttft_p99": _percentile(ttft, .99),
             "e2e_p50": _percentile(e2e, .5), "e2e_p99": _percentile(e2e, .99)}
 
+# %% ../nbs/90_cli.ipynb #8eeba723
+def replay_check(path) -> int:
+    "Re-run a recorded trace; 0 when every decision comes out the same, else 1 and the first difference."
+    from nanoserve.scheduler import replay
+    recorded, replayed = replay(path)
+    for i, (a, b) in enumerate(zip(recorded.events, replayed.events)):
+        if a != b:
+            print(f"replay differs at event {i}:\n  recorded {a}\n  replayed {b}"); return 1
+    if len(recorded.events) != len(replayed.events):
+        print(f"replay differs in length: {len(recorded.events)} recorded, {len(replayed.events)} replayed"); return 1
+    print(f"replayed {path}: {len(recorded.events)} events, identical"); return 0
 
-def cmd_simulate(args) -> int:
-    from nanoserve.block_manager import CacheConfig
-    from nanoserve.scheduler import SchedulerConfig, Trace, lognormal_workload, replay, simulate
-
-    if args.replay:
-        recorded, replayed = replay(args.replay)
-        for i, (a, b) in enumerate(zip(recorded.events, replayed.events)):
-            if a != b:
-                print(f"replay differs at event {i}:\n  recorded {a}\n  replayed {b}"); return 1
-        if len(recorded.events) != len(replayed.events):
-            print(f"replay differs in length: {len(recorded.events)} recorded, {len(replayed.events)} replayed"); return 1
-        print(f"replayed {args.replay}: {len(recorded.events)} events, identical"); return 0
-
-    requests = lognormal_workload(args.num_requests, seed=args.seed, prompt_median=args.prompt_median,
-                                  output_median=args.output_median, sigma=args.sigma,
-                                  max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-                                  shared_prefix_len=args.shared_prefix_len, arrival_rate=args.arrival_rate)
-    cache = CacheConfig(num_blocks=args.num_blocks, block_size=args.block_size,
-                        enable_prefix_caching=not args.no_prefix_caching)
-    max_model_len = args.max_prompt_len + args.shared_prefix_len + args.max_output_len
-    rows = {}
-    for policy in ("continuous", "static"):
-        cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_model_len=max_model_len, policy=policy)
-        trace = Trace() if args.trace and policy == "continuous" else None
-        result = simulate(requests, cfg, cache, trace=trace)
-        if trace is not None: trace.to_jsonl(args.trace)
-        rows[policy] = (result, simulate_summary(result, requests))
-    if rows["continuous"][0].outputs != rows["static"][0].outputs:
-        print("error: continuous and static batching produced different tokens"); return 1
+# %% ../nbs/90_cli.ipynb #f6b6ea8e
+def print_simulation(args, cache, rows: dict) -> None:
+    "The two policies side by side, and what continuous batching gained."
     print(f"{args.num_requests} lognormal requests (seed {args.seed}), {cache.num_blocks} KV blocks of "
           f"{cache.block_size}, max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}")
     keys = list(rows["continuous"][1])
@@ -73,18 +58,57 @@ def cmd_simulate(args) -> int:
     c, s = rows["continuous"][1], rows["static"][1]
     print(f"continuous / static: {c['output_tokens_per_step'] / s['output_tokens_per_step']:.2f}x output tokens "
           f"per step, p99 steps to first token {s['ttft_p99'] / max(c['ttft_p99'], 1):.1f}x lower; same tokens")
+
+# %% ../nbs/90_cli.ipynb #708033d4
+def simulate_policies(args, requests, cache) -> dict:
+    "Continuous and static batching on the same requests: policy -> (result, summary); the continuous run traced."
+    from nanoserve.scheduler import SchedulerConfig, Trace, simulate
+    max_model_len = args.max_prompt_len + args.shared_prefix_len + args.max_output_len
+    rows = {}
+    for policy in ("continuous", "static"):
+        cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=max_model_len, policy=policy)
+        trace = Trace() if args.trace and policy == "continuous" else None
+        result = simulate(requests, cfg, cache, trace=trace)
+        if trace is not None: trace.to_jsonl(args.trace)
+        rows[policy] = (result, simulate_summary(result, requests))
+    return rows
+
+# %% ../nbs/90_cli.ipynb #03892da9
+def cmd_simulate(args) -> int:
+    from nanoserve.block_manager import CacheConfig
+    from nanoserve.scheduler import lognormal_workload
+
+    if args.replay: return replay_check(args.replay)
+
+    requests = lognormal_workload(args.num_requests, seed=args.seed, prompt_median=args.prompt_median,
+                                  output_median=args.output_median, sigma=args.sigma,
+                                  max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+                                  shared_prefix_len=args.shared_prefix_len, arrival_rate=args.arrival_rate)
+    cache = CacheConfig(num_blocks=args.num_blocks, block_size=args.block_size,
+                        enable_prefix_caching=not args.no_prefix_caching)
+    rows = simulate_policies(args, requests, cache)
+    if rows["continuous"][0].outputs != rows["static"][0].outputs:
+        print("error: continuous and static batching produced different tokens"); return 1
+    print_simulation(args, cache, rows)
     if args.trace: print(f"trace of the continuous run: {args.trace}")
     return 0
 
-# %% ../nbs/90_cli.ipynb #e97f4a16
-def cmd_generate(args) -> int:
-    import time
+# %% ../nbs/90_cli.ipynb #5ded36e8
+def generate_engine(args):
+    "The engine and the sampling parameters of a `generate` command line."
     from nanoserve.engine import LLM, SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
               quantization=args.quantization, quant_group_size=args.quant_group_size,
               quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
+    return llm, params
+
+# %% ../nbs/90_cli.ipynb #e97f4a16
+def cmd_generate(args) -> int:
+    import time
+    llm, params = generate_engine(args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -104,13 +128,8 @@ def cmd_generate(args) -> int:
     llm.close()
     return 0
 
-# %% ../nbs/90_cli.ipynb #4ae81094
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanoserve", description="An LLM inference server for Qwen2 models, from scratch.")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", help="benchmark engines on the same requests (see `nanoserve bench --help`)", add_help=False)
-    sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (see `nanoserve serve --help`)",
-                   add_help=False)
+# %% ../nbs/90_cli.ipynb #23ab5de6
+def _simulate_parser(sub) -> None:
     s = sub.add_parser("simulate", help="run a seeded workload through the scheduler with a fake model",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--num-requests", type=int, default=256)
@@ -131,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replay", default=None, help="replay a recorded trace and check it decides the same")
     s.set_defaults(func=cmd_simulate)
 
+# %% ../nbs/90_cli.ipynb #24332b6c
+def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompt")
@@ -149,13 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale (must divide every layer)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
     g.set_defaults(func=cmd_generate)
+
+# %% ../nbs/90_cli.ipynb #4ae81094
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanoserve", description="An LLM inference server for Qwen2 models, from scratch.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="benchmark engines on the same requests (see `nanoserve bench --help`)", add_help=False)
+    sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (see `nanoserve serve --help`)",
+                   add_help=False)
+    _simulate_parser(sub)
+    _generate_parser(sub)
     return p
 
-
+# %% ../nbs/90_cli.ipynb #bc3b2adf
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `nanoserve` console script."
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:                      # the benchmark has its own parser (benchmark chapter)
+        if any(a == "--endpoint" or a.startswith("--endpoint=") for a in argv[1:]):
+            from nanoserve.endpoint import main as endpoint_main     # a server's endpoint (endpoint chapter)
+            return endpoint_main(argv[1:])
         from nanoserve.bench import main as bench_main
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:                      # the server has its own parser (server chapter)

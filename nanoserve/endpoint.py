@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 
-from .bench import BenchRequest, percentile
+from .bench import (BenchRequest, build_parser, check_args, engine_kwargs_from_args, percentile, run_benchmark,
+                             results_path, summarize, workload_from_args, write_results)
 
 # %% auto #0
-__all__ = ['parse_sse_line', 'chunk_info', 'probe_server', 'arun_endpoint', 'run_endpoint']
+__all__ = ['parse_sse_line', 'chunk_info', 'probe_server', 'endpoint_result', 'arun_endpoint', 'run_endpoint', 'endpoint_runner',
+           'build_endpoint_parser', 'main']
 
 # %% ../nbs/16_endpoint.ipynb #d639b214
 def parse_sse_line(line: str):
@@ -42,7 +47,7 @@ def chunk_info(event: dict) -> dict:
 def _failed(rec: dict, error: str, **extra) -> dict:
     return rec | {"num_output_tokens": 0, "ttft_s": None, "e2e_s": None, "itl_s": [], "error": error} | extra
 
-
+# %% ../nbs/16_endpoint.ipynb #d08e7a37
 async def _one_request(client, path: str, body: dict, req: BenchRequest, send_s: float, t_sched: float) -> dict:
     "Send one streamed completion, timed from its scheduled send time."
     t_sent = time.perf_counter()
@@ -105,6 +110,19 @@ async def probe_server(client, model: str | None) -> dict:
         except Exception: pass
     return info
 
+# %% ../nbs/16_endpoint.ipynb #d91b31e9
+def endpoint_result(per_request: list[dict], elapsed: float, cpu: float, max_connections: int, server: dict) -> dict:
+    "A run's result in `bench.run_worker`'s shape, with the client's own cost, the chunk gaps and the server's name."
+    ok = [r for r in per_request if "error" not in r]
+    wall = max((r["send_s"] + r["e2e_s"] for r in ok), default=elapsed)
+    lags = [r["send_lag_s"] for r in per_request]
+    gaps = [g for r in ok for g in r["itl_s"]]
+    client_info = {"cpu_s": cpu, "cpu_s_per_request": cpu / max(1, len(per_request)), "cpu_share": cpu / elapsed if elapsed > 0 else None,
+                   "send_lag_p50_s": percentile(lags, 0.5), "send_lag_p99_s": percentile(lags, 0.99),
+                   "send_lag_max_s": max(lags, default=None), "max_connections": max_connections}
+    return {"per_request": per_request, "wall_s": wall, "errors": len(per_request) - len(ok),
+            "itl": {f"p{q}_s": percentile(gaps, q / 100) for q in (50, 90, 99)}, "client": client_info, "server": server}
+
 # %% ../nbs/16_endpoint.ipynb #45aba7c8
 async def arun_endpoint(url: str, requests: list[BenchRequest], send_times: list[float] | None, *,
                         api_key: str | None = None, model: str | None = None, timeout: float = 600.0,
@@ -135,17 +153,9 @@ async def arun_endpoint(url: str, requests: list[BenchRequest], send_times: list
         while any(t is None for t in tasks): await asyncio.sleep(0.001)
         per_request = list(await asyncio.gather(*tasks))
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    ok = [r for r in per_request if "error" not in r]
-    wall = max((r["send_s"] + r["e2e_s"] for r in ok), default=elapsed)
-    lags = [r["send_lag_s"] for r in per_request]
-    gaps = [g for r in ok for g in r["itl_s"]]
-    client_info = {"cpu_s": cpu, "cpu_s_per_request": cpu / max(1, len(requests)), "cpu_share": cpu / elapsed if elapsed > 0 else None,
-                   "send_lag_p50_s": percentile(lags, 0.5), "send_lag_p99_s": percentile(lags, 0.99),
-                   "send_lag_max_s": max(lags, default=None), "max_connections": max_connections}
-    return {"per_request": per_request, "wall_s": wall, "errors": len(per_request) - len(ok),
-            "itl": {f"p{q}_s": percentile(gaps, q / 100) for q in (50, 90, 99)}, "client": client_info, "server": server}
+    return endpoint_result(per_request, elapsed, cpu, max_connections, server)
 
-
+# %% ../nbs/16_endpoint.ipynb #9a87ec5a
 def run_endpoint(url: str, requests: list[BenchRequest], send_times: list[float] | None, *,
                  api_key: str | None = None, model: str | None = None, timeout: float = 600.0,
                  max_connections: int = 1024) -> dict:
@@ -161,3 +171,50 @@ def run_endpoint(url: str, requests: list[BenchRequest], send_times: list[float]
     th = threading.Thread(target=target, name="nanoserve-endpoint"); th.start(); th.join()
     if "error" in box: raise box["error"]
     return box["result"]
+
+# %% ../nbs/16_endpoint.ipynb #5d120309
+def endpoint_runner(endpoint: dict) -> Callable[[dict], dict]:
+    "A `run_one` for `bench.run_benchmark`: each job's requests sent to `endpoint` ({url, api_key, model}) over HTTP."
+    def run(job: dict) -> dict:
+        requests = [BenchRequest(tuple(p), n) for p, n in job["requests"]]
+        res = run_endpoint(endpoint["url"], requests, job["send_times"], api_key=endpoint.get("api_key"),
+                           model=endpoint.get("model"))
+        res["summary"] = summarize(res["per_request"], res["wall_s"])
+        return res
+    return run
+
+# %% ../nbs/16_endpoint.ipynb #b849bbba
+def build_endpoint_parser():
+    "The benchmark's options, and the server's: where it is, its key, its model, its vocabulary and context."
+    p = build_parser()
+    p.prog, p.description, p.epilog = "nanoserve bench --endpoint", "Benchmark an OpenAI-compatible server.", None
+    p.add_argument("--endpoint", required=True, help="an OpenAI-compatible server's base URL: send the workload there")
+    p.add_argument("--api-key", default=None, help="the endpoint's key (default: $OPENAI_API_KEY)")
+    p.add_argument("--served-model", default=None, help="the endpoint's model name (as --model; default: the first it lists)")
+    p.add_argument("--vocab-size", type=int, default=151936, help="token ids are drawn below this")
+    p.add_argument("--max-model-len", type=int, default=4096, help="the server's context")
+    return p
+
+# %% ../nbs/16_endpoint.ipynb #0b3c4505
+def main(argv: list[str] | None = None) -> int:
+    "`nanoserve bench --endpoint URL ...`: the benchmark's workload, sent to a server; results as `nanoserve bench` writes them."
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_endpoint_parser().parse_args(argv)
+    endpoint = {"url": args.endpoint, "api_key": args.api_key or os.environ.get("OPENAI_API_KEY"),
+                "model": args.served_model or args.model}
+    try:
+        check_args(args)
+        spec = workload_from_args(args)
+        out = results_path(args, spec)
+        results = run_benchmark(None, spec, [f"endpoint:{args.endpoint}"], rates=args.rate,
+                                engine_kwargs=engine_kwargs_from_args(args), repeats=args.repeats, warmup_s=args.warmup,
+                                command="nanoserve bench " + " ".join(argv), profile_steps=args.profile_steps,
+                                limits=(args.vocab_size, args.max_model_len), run_one=endpoint_runner(endpoint))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"nanoserve bench: error: {e}", file=sys.stderr); return 2
+    write_results(results, out, args.plot)
+    return 0
+
+
+if __name__ == "__main__" and "IPython" not in sys.modules:   # `python -m nanoserve.endpoint`, not the notebook
+    sys.exit(main())

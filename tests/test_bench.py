@@ -353,6 +353,8 @@ def test_cli_run_writes_json_and_plots(model_dir, tmp_path, capsys):
     (run,) = res["runs"]
     assert run["engine"] == "continuous" and len(run["reps"]) == 1
     assert run["reps"][0]["summary"]["output_tokens"] == res["num_output_tokens_requested"]
+    config = run["reps"][0]["engine_config"]             # the engine's whole configuration, as it ran
+    assert isinstance(config, dict) and json.loads(json.dumps(config)) == config
     assert res["command"].startswith("nanoserve bench --engines continuous")
     assert res["engine_kwargs"]["device"] == "cpu"
     assert res["engine_kwargs"]["async_scheduling"] is True and res["engine_kwargs"]["mixed_step_graphs"] is False
@@ -386,13 +388,12 @@ class FakeProfile:
 @pytest.fixture
 def spoof_cuda(model_dir, monkeypatch):
     """run_nanoserve opens its profile window only when `llm.device.type == "cuda"`: an LLM on the CPU that says it
-    is on CUDA once built (the model runner keeps the real device), the profiler faked. run_nanoserve imports
-    LLM, profile_run and busy_share inside the function, so they are patched where they are defined."""
+    is on CUDA once built (the model runner keeps the real device), the profiler faked. The benchmark module
+    imports LLM, profile_run and busy_share at its top, so they are patched there."""
     import torch
-    import nanoserve.engine, nanoserve.measure
     built, profs = [], []
 
-    class CudaLookingLLM(nanoserve.engine.LLM):
+    class CudaLookingLLM(bench.LLM):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.device = torch.device("cuda")
@@ -401,9 +402,9 @@ def spoof_cuda(model_dir, monkeypatch):
     def fake_profile_run(device=None, include_memory=False):
         profs.append(FakeProfile(device)); return profs[-1]
 
-    monkeypatch.setattr(nanoserve.engine, "LLM", CudaLookingLLM)
-    monkeypatch.setattr(nanoserve.measure, "profile_run", fake_profile_run)
-    monkeypatch.setattr(nanoserve.measure, "busy_share", lambda run, *a, **k: 0.0)
+    monkeypatch.setattr(bench, "LLM", CudaLookingLLM)
+    monkeypatch.setattr(bench, "profile_run", fake_profile_run)
+    monkeypatch.setattr(bench, "busy_share", lambda run, *a, **k: 0.0)
     return built, profs
 
 
@@ -435,8 +436,7 @@ def test_profiler_pauses_are_taken_out_of_wall_time_and_ledger(model_dir, spoof_
 def test_warmup_is_not_counted_in_the_ledger_gap(model_dir, monkeypatch):
     """The ledger is reset after the warm-up, but `llm._last_step_end` still holds the end of the warm-up
     `generate`, so the first measured step's gap holds the whole warm-up (warm_gpu: 3 s by default on a GPU)."""
-    import nanoserve.measure
-    monkeypatch.setattr(nanoserve.measure, "warm_gpu", lambda seconds=3.0, device=None, size=8192: time.sleep(seconds) or 0)
+    monkeypatch.setattr(bench, "warm_gpu", lambda seconds=3.0, device=None, size=8192: time.sleep(seconds) or 0)
     reqs = [BenchRequest((1, 2, 3, 4, 5), 6), BenchRequest((6, 7, 8), 6)]
     res = run_nanoserve(model_dir, reqs, None, engine_kwargs={"device": "cpu"}, warmup_s=PAUSE)
     assert [r["num_output_tokens"] for r in res["per_request"]] == [6, 6]

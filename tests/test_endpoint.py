@@ -204,9 +204,10 @@ def test_killed_server_mid_run(tmp_path):
 def test_nanoserve_bench_endpoint_cli(server, tmp_path):
     "`nanoserve bench --endpoint`: the same workload over HTTP, twice, into the usual results JSON."
     import json
-    from nanoserve.bench import main, report
+    from nanoserve.bench import report
+    from nanoserve.cli import main          # the command line hands `bench --endpoint` to the endpoint chapter
     out = tmp_path / "endpoint.json"
-    rc = main(["--endpoint", server, "--api-key", KEY, "--model", "tiny-qwen2-v1", "--num-requests", "6", "--prompt-median", "16",
+    rc = main(["bench", "--endpoint", server, "--api-key", KEY, "--model", "tiny-qwen2-v1", "--num-requests", "6", "--prompt-median", "16",
                "--prompt-max", "64", "--output-median", "4", "--output-max", "6", "--rate", "20",
                "--vocab-size", "3072", "--max-model-len", "2048", "--out", str(out)])
     assert rc == 0
