@@ -47,7 +47,7 @@ class QuantConfig:
 
     def __post_init__(self):
         if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown quantization method {self.method!r}: one of {', '.join(METHODS)}")
+            raise ValueError(f"unknown quantization {self.method!r}: one of {', '.join(METHODS)}")
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
             raise ValueError(f"group_size must be an even integer >= 2, got {g!r}")
