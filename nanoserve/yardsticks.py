@@ -37,7 +37,7 @@ def check_requests(requests) -> list[tuple[list[int], int]]:
     if not out: raise ValueError("no requests")
     return out
 
-
+# %% ../nbs/14_yardsticks.ipynb #6b84613f
 def _resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in _DTYPES: raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
@@ -66,7 +66,7 @@ def load_hf_model(model_dir, device=None, dtype=None, attn_implementation: str =
                                                      attn_implementation=attn_implementation)
     return model.to(device).eval()
 
-
+# %% ../nbs/14_yardsticks.ipynb #615eff08
 def _get_model(model_or_dir, device, dtype):
     "A checkpoint folder is loaded; a loaded transformers model is used where it is (and must match device/dtype)."
     if not (hasattr(model_or_dir, "generate") and hasattr(model_or_dir, "config")):
@@ -78,7 +78,7 @@ def _get_model(model_or_dir, device, dtype):
         raise ValueError(f"the model is in {model.dtype}, but dtype={dtype!r} was asked for")
     return model
 
-
+# %% ../nbs/14_yardsticks.ipynb #322e809f
 def _pad_id(model) -> int:
     "The token used for left padding: the config's pad token, else its EOS, else 0 (masked out either way)."
     c = model.config
@@ -87,7 +87,14 @@ def _pad_id(model) -> int:
         if isinstance(t, int) and t >= 0: return t
     return 0
 
+# %% ../nbs/14_yardsticks.ipynb #39af6b12
+def _greedy_config(model, max_new_tokens: int, eos_token_id):
+    "Greedy, exactly `max_new_tokens` new tokens; `eos_token_id` None (generate) or -1 (continuous batching): no EOS."
+    from transformers import GenerationConfig
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                            pad_token_id=_pad_id(model))
 
+# %% ../nbs/14_yardsticks.ipynb #c8d9c9ee
 @contextlib.contextmanager
 def _clean_generation_config(model):
     "Run with a default `GenerationConfig` on the model (no EOS, no sampling defaults); put the old one back after."
@@ -96,13 +103,6 @@ def _clean_generation_config(model):
     model.generation_config = GenerationConfig()
     try: yield
     finally: model.generation_config = old
-
-
-def _greedy_config(model, max_new_tokens: int, eos_token_id):
-    "Greedy, exactly `max_new_tokens` new tokens; `eos_token_id` None (generate) or -1 (continuous batching): no EOS."
-    from transformers import GenerationConfig
-    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                            pad_token_id=_pad_id(model))
 
 # %% ../nbs/14_yardsticks.ipynb #c2cbe9c0
 def _left_pad(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +131,7 @@ def _first_token_clock(device: torch.device):
     clock = FirstTokenClock()
     return clock, StoppingCriteriaList([clock])
 
-
+# %% ../nbs/14_yardsticks.ipynb #fbccabdb
 @torch.no_grad()
 def _static_generate(model, prompts: list[list[int]], n_new: int, device: torch.device):
     "Greedy `generate` of one left-padded batch, exactly `n_new` new tokens a row: (new tokens per row, first-token time)."
@@ -143,6 +143,15 @@ def _static_generate(model, prompts: list[list[int]], n_new: int, device: torch.
     if any(len(row) != n_new for row in new):
         raise RuntimeError(f"generate returned {len(new[0])} new tokens a row, expected {n_new}")
     return new, clock.t
+
+# %% ../nbs/14_yardsticks.ipynb #e91437e1
+def _static_warm_up(model, batch: list[tuple[list[int], int]], warmup_s: float, device: torch.device) -> None:
+    "The first batch's prompts for a few tokens, again and again for `warmup_s` seconds (at least once)."
+    first = [p for p, _ in batch]
+    w0 = time.perf_counter()
+    while True:   # warm-up, excluded from the timings
+        _static_generate(model, first, min(4, max(n for _, n in batch)), device)
+        if time.perf_counter() - w0 >= warmup_s: break
 
 # %% ../nbs/14_yardsticks.ipynb #e1428ef5
 def run_hf_static(model_dir, requests, batch_size: int, *, device=None, dtype=None, warmup_s: float = 0.0) -> list[dict]:
@@ -160,11 +169,7 @@ def run_hf_static(model_dir, requests, batch_size: int, *, device=None, dtype=No
     batches = [list(range(i, min(i + batch_size, len(reqs)))) for i in range(0, len(reqs), batch_size)]
     results: list[dict | None] = [None] * len(reqs)
     with _clean_generation_config(model):
-        first = [reqs[i][0] for i in batches[0]]
-        w0 = time.perf_counter()
-        while True:   # warm-up, excluded from the timings
-            _static_generate(model, first, min(4, max(reqs[i][1] for i in batches[0])), device)
-            if time.perf_counter() - w0 >= warmup_s: break
+        _static_warm_up(model, [reqs[i] for i in batches[0]], warmup_s, device)
         _sync(device)
         t0 = time.perf_counter()
         for b, idx in enumerate(batches):
@@ -191,13 +196,13 @@ def _cb_config_class():
     except ImportError:   # before it existed, its settings lived on the GenerationConfig
         return None
 
-
+# %% ../nbs/14_yardsticks.ipynb #40a7fa3d
 def _cb_fields(cls) -> set[str]:
     if cls is None: return set()
     if dataclasses.is_dataclass(cls): return {f.name for f in dataclasses.fields(cls)}
     return set(inspect.signature(cls).parameters)
 
-
+# %% ../nbs/14_yardsticks.ipynb #cf638414
 def _cb_options(reqs, device: torch.device, max_batch_tokens, cb_options, fields: set[str]) -> dict:
     """The `ContinuousBatchingConfig` fields to set: `cb_options`, `max_batch_tokens`, and on the CPU a cache sized for
     the workload. `block_size` in `cb_options` means tokens per block under whichever name this version uses."""
@@ -225,7 +230,7 @@ def _cb_attention(model, fields: set[str]):
     model.set_attn_implementation(f"paged|{impl}")
     return impl
 
-
+# %% ../nbs/14_yardsticks.ipynb #e1c3e897
 def _workload_hints(reqs):
     "transformers' WorkloadHints (sizes some defaults from the requests), where this version has them."
     try:
@@ -235,7 +240,7 @@ def _workload_hints(reqs):
     except (ImportError, TypeError):
         return None
 
-
+# %% ../nbs/14_yardsticks.ipynb #39b3ae11
 def _start_manager(model, gen_config, opts: dict, reqs):
     if not hasattr(model, "init_continuous_batching"):
         raise RuntimeError(f"transformers {_tf_version()} has no continuous batching (model.init_continuous_batching)")
@@ -252,7 +257,7 @@ def _start_manager(model, gen_config, opts: dict, reqs):
     manager.start()
     return manager
 
-
+# %% ../nbs/14_yardsticks.ipynb #857ac47a
 def _add_request(manager, rid: str, ids: list[int], n: int) -> bool:
     """Submit one request, EOS ignored (per request, and through the generation config's `eos_token_id=-1` where
     `add_request` takes no EOS); returns whether per-token timestamps were asked for."""
@@ -286,6 +291,30 @@ def _stop_manager(manager) -> None:
     finally:
         if hasattr(manager, "destroy"): manager.destroy()
 
+# %% ../nbs/14_yardsticks.ipynb #11e83d11
+def _cb_warm_up(manager, first: tuple[list[int], int], vocab_size: int, warmup_s: float, timeout_s: float | None) -> None:
+    "One short request (the first prompt, every id shifted by one: nothing the prefix cache can reuse), until `warmup_s`."
+    (p, n), w0, k = first, time.perf_counter(), 0
+    while True:   # warm-up, excluded from the timings
+        rid = f"warmup-{k}"; k += 1
+        _add_request(manager, rid, [(t + 1) % vocab_size for t in p], min(4, n))
+        _collect(manager, {rid}, timeout_s)
+        if time.perf_counter() - w0 >= warmup_s: break
+
+# %% ../nbs/14_yardsticks.ipynb #e2ffe96f
+def _cb_results(rids: list[str], reqs, done: dict, stamped: bool, t0: float) -> list[dict]:
+    "One dict per request, in order, from the manager's outputs; every request must have exactly its tokens."
+    results = []
+    for rid, (p, n) in zip(rids, reqs):
+        out, received = done[rid]
+        tokens = list(out.generated_tokens)
+        if len(tokens) != n: raise RuntimeError(f"continuous batching gave {len(tokens)} tokens for {rid}, expected {n}")
+        stamps = getattr(out, "timestamps", None) if stamped else None
+        end = getattr(out, "lifespan", (-1, -1))[1]
+        results.append(dict(num_output_tokens=n, ttft_s=stamps[0] - t0 if stamps else None,
+                            e2e_s=(end if end > 0 else received) - t0, output_token_ids=tokens, num_computed_tokens=n))
+    return results
+
 # %% ../nbs/14_yardsticks.ipynb #7b72780b
 @torch.no_grad()
 def run_hf_continuous(model_dir, requests, *, device=None, dtype=None, max_batch_tokens: int | None = None,
@@ -310,12 +339,7 @@ def run_hf_continuous(model_dir, requests, *, device=None, dtype=None, max_batch
     try:
         with _clean_generation_config(model):
             manager = _start_manager(model, gen_config, opts, reqs)
-            (p, n), w0, k = reqs[0], time.perf_counter(), 0
-            while True:   # warm-up, excluded from the timings
-                rid = f"warmup-{k}"; k += 1
-                _add_request(manager, rid, [(t + 1) % model.config.vocab_size for t in p], min(4, n))
-                _collect(manager, {rid}, timeout_s)
-                if time.perf_counter() - w0 >= warmup_s: break
+            _cb_warm_up(manager, reqs[0], model.config.vocab_size, warmup_s, timeout_s)
             _sync(device)
             t0 = time.perf_counter()
             rids = [f"req-{i}" for i in range(len(reqs))]
@@ -326,13 +350,4 @@ def run_hf_continuous(model_dir, requests, *, device=None, dtype=None, max_batch
             if manager is not None: _stop_manager(manager)
         finally:
             if restore_attn is not None: model.set_attn_implementation(restore_attn)
-    results = []
-    for rid, (p, n) in zip(rids, reqs):
-        out, received = done[rid]
-        tokens = list(out.generated_tokens)
-        if len(tokens) != n: raise RuntimeError(f"continuous batching gave {len(tokens)} tokens for {rid}, expected {n}")
-        stamps = getattr(out, "timestamps", None) if stamped else None
-        end = getattr(out, "lifespan", (-1, -1))[1]
-        results.append(dict(num_output_tokens=n, ttft_s=stamps[0] - t0 if stamps else None,
-                            e2e_s=(end if end > 0 else received) - t0, output_token_ids=tokens, num_computed_tokens=n))
-    return results
+    return _cb_results(rids, reqs, done, stamped, t0)
