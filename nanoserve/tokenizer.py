@@ -19,7 +19,8 @@ __all__ = ['QWEN2_SPLIT_PATTERN', 'ENDOFTEXT', 'IM_START', 'IM_END', 'SPECIAL_TO
            'CHATML_TEMPLATE', 'TINY_MODEL_NAME', 'TINY_QWEN2', 'MODEL_FILES', 'SHIPPED_MODEL_NAME', 'REPLACEMENT_CHAR',
            'qwen2_style_tokenizer', 'tiny_corpus', 'train_tiny_tokenizer', 'tiny_qwen2_config', 'qwen2_weight_shapes',
            'random_qwen2_weights', 'is_model_folder', 'build_tiny_model', 'cache_root', 'default_model_dir',
-           'ensure_default_model', 'shipped_model_dir', 'default_model', 'load_tokenizer', 'IncrementalDetokenizer']
+           'ensure_default_model', 'shipped_model_dir', 'default_model', 'load_tokenizer', 'prompt_context',
+           'IncrementalDetokenizer']
 
 # %% ../nbs/03_tokenizer.ipynb #bee5559c
 QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
@@ -132,7 +133,7 @@ def qwen2_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if not config.get("tie_word_embeddings", False): shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
-
+# %% ../nbs/03_tokenizer.ipynb #ae2e4766
 def random_qwen2_weights(config: dict, seed: int = 0, std: float = 0.02, dtype=None) -> dict:
     "Seeded random tensors for every name of `qwen2_weight_shapes`: N(0, `std`) for matrices and biases, ones for norms."
     import torch
@@ -156,7 +157,7 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
-
+# %% ../nbs/03_tokenizer.ipynb #52e431b6
 def _write_tiny_model(folder: Path, seed: int) -> None:
     from safetensors.torch import save_file
     tok = train_tiny_tokenizer()
@@ -169,7 +170,7 @@ def _write_tiny_model(folder: Path, seed: int) -> None:
                 {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "pad_token_id": endoftext})
     save_file(random_qwen2_weights(config.to_dict(), seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
-
+# %% ../nbs/03_tokenizer.ipynb #b6fd3eaf
 def is_model_folder(path) -> bool:
     "Whether `path` holds every file of a built model folder."
     return all((Path(path) / f).is_file() for f in MODEL_FILES)
@@ -215,7 +216,7 @@ def ensure_default_model() -> Path:
             raise RuntimeError(f"{path} exists but is not a complete model folder; delete it to rebuild")
     return path
 
-
+# %% ../nbs/03_tokenizer.ipynb #70c62606
 SHIPPED_MODEL_NAME = "tiny-qwen2-stdlib"   # trained by the training chapter, shipped in the package
 
 
@@ -242,20 +243,25 @@ def load_tokenizer(model_dir):
 # %% ../nbs/03_tokenizer.ipynb #76da36a7
 REPLACEMENT_CHAR = "\ufffd"   # what UTF-8 decoding shows for an incomplete or invalid byte sequence
 
+# %% ../nbs/03_tokenizer.ipynb #209d4778
+def prompt_context(tokenizer, prompt_token_ids, num_context_tokens: int, skip_special_tokens: bool) -> tuple[list, str]:
+    """The last `num_context_tokens` prompt ids, which a detokenizer decodes before the output, and their text; none
+    when the prompt ends inside a character (the output is then decoded on its own)."""
+    prompt = [int(t) for t in (prompt_token_ids if prompt_token_ids is not None else [])]
+    context = prompt[max(0, len(prompt) - num_context_tokens):] if num_context_tokens > 0 else []
+    text = tokenizer.decode(context, skip_special_tokens=skip_special_tokens) if context else ""
+    return ([], "") if text.endswith(REPLACEMENT_CHAR) else (context, text)
 
+# %% ../nbs/03_tokenizer.ipynb #0db32471
 class IncrementalDetokenizer:
     "Turns generated token ids into text deltas, one token at a time, decoding only a short window."
 
     def __init__(self, tokenizer, prompt_token_ids=None, skip_special_tokens: bool = True,
                  num_context_tokens: int = 5):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        prompt = [int(t) for t in (prompt_token_ids if prompt_token_ids is not None else [])]
-        context = prompt[max(0, len(prompt) - num_context_tokens):] if num_context_tokens > 0 else []
+        context, self._prefix_text = prompt_context(tokenizer, prompt_token_ids, num_context_tokens, skip_special_tokens)
         self._window = context             # token ids from the prefix offset on (the prefix offset is always 0)
         self._read_offset = len(context)   # window[:read_offset] has been sent (or is prompt context)
-        self._prefix_text = self._decode(context)
-        if self._prefix_text.endswith(REPLACEMENT_CHAR):   # prompt ends inside a character: decode outputs alone
-            self._window, self._read_offset, self._prefix_text = [], 0, ""
         self._pieces: list[str] = []
         self.num_tokens = 0                # output tokens added so far
 
