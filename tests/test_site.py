@@ -136,3 +136,55 @@ def test_refuses_to_clobber_a_foreign_folder(tmp_path):
     problems = build.build_site(tmp_path, verbose=False)
     assert problems and "refusing" in problems[0]
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def _png_output():
+    return new_output("display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})
+
+
+def test_every_image_needs_a_real_alt_text(tmp_path):
+    nbs = _mini_repo(tmp_path, extra_index_md=" Bare ![](../figures/a.png), named ![a.png](../figures/a.png).")
+    ch = nbformat.read(nbs / "01_x.ipynb", as_version=4)
+    ch.cells += [new_code_cell("plot()", outputs=[_png_output()]),
+                 new_code_cell("#| fig-alt: Throughput against batch size, one line per backend\nplot()",
+                               outputs=[_png_output()])]
+    nbformat.write(ch, nbs / "01_x.ipynb")
+    problems = build.build_site(tmp_path / "site", nbs=nbs, verbose=False)
+    text = "\n".join(problems)
+    assert len(problems) == 3, text
+    assert "index.html: image 'figures/a.png' has no alt text" in text
+    assert "only its file name as alt text ('a.png'" in text
+    assert "nbs/01_x.ipynb, code cell 5 has no alt text" in text and "fig-alt" in text   # the cell without one
+    page = (tmp_path / "site" / "01_x.html").read_text(encoding="utf-8")
+    assert 'alt="Throughput against batch size, one line per backend"' in page
+    assert 'alt="" data-ns-source="nbs/01_x.ipynb, code cell 5"' in page and build.NO_ALT not in page
+
+
+def test_alt_text_check_on_a_page(tmp_path):
+    (tmp_path / "a.html").write_text(
+        '<html><body><h1>A</h1><img src="x.png" alt="A bar chart of the decode step per batch size">'
+        f'<img src="data:image/png;base64,AAAA" alt="{build.NO_ALT}"><img src="y.png" alt=" ">'
+        '<img src="plots/kv_waste.png" alt="kv waste"><img src="z.png"></body></html>')
+    text = "\n".join(build.check_alt_text(tmp_path))
+    assert "x.png" not in text and text.count("has no alt text") == 3 and "'kv waste'" in text, text
+
+
+def test_figure_alt_directive():
+    assert build.figure_alt("#| fig-alt: The KV Cache, by block\nplot()") == "The KV Cache, by block"
+    assert build.figure_alt('#| fig-cap: "A caption"\nplot()') == "A caption"
+    assert build.figure_alt("#| fig-cap: cap\n#| fig-alt: alt\n") == "alt"
+    assert build.figure_alt("plot()") is None
+
+
+def test_pages_carry_the_course_styles(tmp_path):
+    "Code blocks spaced and shaded, wide blocks scroll instead of wrapping, tables never break a word."
+    nbs = _mini_repo(tmp_path)
+    assert build.build_site(tmp_path / "site", nbs=nbs, verbose=False) == []
+    page = (tmp_path / "site" / "01_x.html").read_text(encoding="utf-8")
+    ours = page.index(build.CSS.strip()[:40])
+    assert ours > page.index("jp-OutputArea-output pre")        # after nbconvert's rules, so ours win
+    css = " ".join(build.CSS.split())
+    for rule in ("white-space: pre; word-break: normal", "overflow-x: auto", "table-layout: auto",
+                 "overflow-wrap: normal", ".jp-CodeCell .jp-InputArea-editor { background"):
+        assert rule in css, rule
+    assert "break-all" not in css

@@ -14,8 +14,11 @@ What it does:
   * writes `<out>/index.html` (from index.ipynb) and `<out>/<notebook stem>.html`; copies local files that the
     notebooks link to (`../figures/x.png`, `figures/x.png`, ...) into the site and rewrites the links; turns
     links to notebooks (`01_scheduler.ipynb#section`) into links to their pages;
+  * gives output images the alt text of their cell's `#| fig-alt:` directive (Quarto's option; `#| fig-cap:` as
+    a fallback), so that every figure can carry a description; markdown images keep their `![alt](...)`;
   * verifies the site: every notebook gave a page with an <h1>, every local href/src in every page resolves to
-    a file (and anchor) inside the site, no notebook failed to render or carries a committed error output.
+    a file (and anchor) inside the site, every image has a real alt text (not empty, not nbconvert's
+    placeholder, not just its file name), no notebook failed to render or carries a committed error output.
     Any problem is listed and the exit status is 1.
 
 With --readme it also rewrites README.md at the repository root from index.ipynb (markdown, no outputs, links
@@ -24,6 +27,7 @@ re-pointed from nbs/ to the repository root). --check-readme exits 1 if README.m
 from __future__ import annotations
 
 import argparse
+import base64
 import configparser
 import copy
 import html
@@ -89,6 +93,41 @@ def strip_directives(source: str) -> str:
     return "\n".join(lines).strip("\n")
 
 
+_RE_FIG_ALT = re.compile(r"^\s*#\s?\|\s*fig-(alt|cap)\s*:\s*(.*?)\s*$", re.MULTILINE)
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/svg+xml")
+NO_ALT = "No description has been provided for this image"     # nbconvert's placeholder: not a description
+
+
+def figure_alt(source: str) -> str | None:
+    "The alt text a code cell gives its figures: `#| fig-alt: ...`, else `#| fig-cap: ...` (case kept)."
+    found = {kind: text.strip().strip("'\"") for kind, text in _RE_FIG_ALT.findall(source)}
+    return found.get("alt") or found.get("cap") or None
+
+
+def _image_html(data: dict, alt: str, where: str) -> str | None:
+    "An <img> for the first image in an output's `data`, with `alt` and where it came from (for the check)."
+    for mime in IMAGE_MIMES:
+        if mime in data:
+            payload = data[mime]
+            if mime == "image/svg+xml":
+                payload = base64.b64encode((payload if isinstance(payload, str) else "".join(payload)).encode()).decode()
+            payload = payload if isinstance(payload, str) else "".join(payload)
+            return (f'<img src="data:{mime};base64,{payload.strip()}" alt="{html.escape(alt, quote=True)}" '
+                    f'data-ns-source="{html.escape(where, quote=True)}">')
+    return None
+
+
+def label_output_images(cell, alt: str | None, where: str) -> None:
+    """Render each image output of `cell` as an <img> with `alt` (empty when the cell has none: the check then
+    names `where`), through a text/html representation that nbconvert prefers to the bare image."""
+    for out in cell.get("outputs", []):
+        data = out.get("data") or {}
+        if out.get("output_type") in ("display_data", "execute_result") and "text/html" not in data:
+            tag = _image_html(data, alt or "", where)
+            if tag is not None:
+                data["text/html"] = tag
+
+
 def notebook_title(nb) -> str | None:
     "The first `# ` heading of the first markdown cell that has one."
     for cell in nb.cells:
@@ -99,9 +138,10 @@ def notebook_title(nb) -> str | None:
     return None
 
 
-def process_notebook(nb, name: str = "notebook") -> tuple[object, list[str]]:
+def process_notebook(nb, name: str = "notebook", source: str | None = None) -> tuple[object, list[str]]:
     """A copy of `nb` with nbdev's display directives applied (see the module docstring), and a list of problems
-    (committed error outputs). Outputs are kept."""
+    (committed error outputs). Outputs are kept; output images are labelled with their cell's alt text and with
+    where they come from (`source`, the notebook's file name, else `name`)."""
     nb = copy.deepcopy(nb)
     problems, cells = [], []
     title_seen = False
@@ -127,6 +167,7 @@ def process_notebook(nb, name: str = "notebook") -> tuple[object, list[str]]:
                 problems.append(f"{name}: code cell {i} has a committed error output "
                                 f"({out.get('ename')}: {out.get('evalue')}); rerun the notebook, or mark the cell "
                                 f"`#| error: true` if the error is the point")
+        label_output_images(cell, figure_alt(cell.source), f"{source or name}, code cell {i}")
         cell.source = strip_directives(cell.source)
         tags = list(cell.metadata.get("tags", []))
         if _false(d.get("echo")):
@@ -211,6 +252,28 @@ nav.ns-side li.ns-current a { background: #dfe7f5; color: #111; font-weight: 600
 footer.ns-foot { margin-top: 3rem; padding-top: 1rem; border-top: 1px solid #dde; display: flex;
   justify-content: space-between; font: 14px system-ui, sans-serif; }
 footer.ns-foot a { color: #2a5db0; text-decoration: none; }
+/* code: each cell a block of its own, with room around it; input shaded, output marked by a rule */
+.jp-Cell { margin: 1.1rem 0; padding: 0; }
+.jp-CodeCell .jp-InputArea-editor { background: #f6f8fa; border: 1px solid #e1e4e8; border-radius: 6px;
+  padding: .65rem .9rem; }
+.jp-CodeCell .jp-InputArea-editor .highlight { background: transparent; }
+.jp-InputArea-editor pre, .jp-OutputArea-output pre, .jp-RenderedHTMLCommon pre {
+  font: 13px/1.5 ui-monospace, SFMono-Regular, Menlo, Consolas, "Liberation Mono", monospace; }
+.jp-CodeCell .jp-Cell-outputWrapper { margin-top: .4rem; }
+.jp-OutputArea-output pre { padding: .45rem .9rem; border-left: 3px solid #e8b9a0; background: #fffcfa; }
+.jp-RenderedMarkdown pre { background: #f6f8fa; border: 1px solid #e1e4e8; border-radius: 6px;
+  padding: .65rem .9rem; margin: .8rem 0; }
+/* wide diagrams and long lines scroll sideways; nothing in a code block or an output wraps */
+.jp-InputArea-editor pre, .jp-OutputArea-output pre, .jp-RenderedHTMLCommon pre, .jp-RenderedHTMLCommon pre code {
+  white-space: pre; word-break: normal; overflow-wrap: normal; word-wrap: normal; overflow-x: auto; }
+.jp-RenderedHTMLCommon pre code { background: none; padding: 0; }
+.jp-RenderedImage img, .jp-RenderedHTMLCommon img { max-width: 100%; height: auto; }
+/* tables: columns as wide as their longest word, the whole table scrolls when it is too wide; no word breaks */
+.jp-RenderedHTMLCommon table { table-layout: auto; display: block; width: max-content; max-width: 100%;
+  overflow-x: auto; margin: 1rem 0; font-size: 14px; }
+.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { word-break: normal; overflow-wrap: normal; word-wrap: normal;
+  hyphens: manual; white-space: normal; padding: .35em .7em; border-bottom: 1px solid #e4e6ea; }
+.jp-RenderedHTMLCommon td code, .jp-RenderedHTMLCommon th code { white-space: nowrap; }
 @media (max-width: 900px) {
   body.jp-Notebook { margin-left: 0; }
   nav.ns-side { position: static; width: auto; border-right: none; border-bottom: 1px solid #dde; }
@@ -337,7 +400,8 @@ def build_site(out_dir: Path, nbs: Path = NBS, verbose: bool = True) -> list[str
     for pg in pages:
         try:
             raw = nbformat.read(pg.src, as_version=4)
-            pg.nb, pg.problems = process_notebook(raw, pg.out)
+            pg.nb, pg.problems = process_notebook(raw, pg.out, pg.src.relative_to(nbs.parent).as_posix()
+                                                  if pg.src.is_relative_to(nbs.parent) else pg.src.name)
             pg.title = notebook_title(pg.nb)
             if pg.title is None:
                 pg.problems.append(f"{pg.out}: {pg.src.name} has no `# Title` markdown heading")
@@ -372,6 +436,7 @@ def build_site(out_dir: Path, nbs: Path = NBS, verbose: bool = True) -> list[str
                   f"{dest} ({len(body) // 1024} KiB, {time.time() - t0:.1f} s)")
 
     problems += verify_site(out_dir, [pg.out for pg in pages])
+    problems += check_alt_text(out_dir)
     return problems
 
 
@@ -450,6 +515,53 @@ def verify_site(site: Path, pages: list[str] | None = None) -> list[str]:
                 problems.append(f"{rel}: broken link '{url}' (no such file in the site)")
             elif parts.fragment and target.suffix == ".html" and unquote(parts.fragment) not in get(target).ids:
                 problems.append(f"{rel}: broken anchor '{url}' (no id '{parts.fragment}' in {target.relative_to(site).as_posix()})")
+    return problems
+
+
+class _Images(HTMLParser):
+    "Collects the attributes of every <img> of one page."
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.images: list[dict[str, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append({k: v or "" for k, v in attrs})
+
+
+def _names_only(alt: str, src: str) -> bool:
+    "Whether `alt` says no more than the image's file name (with or without extension, _ and - as spaces)."
+    if src.startswith("data:"):
+        return False
+    name = posixpath.basename(urlsplit(unquote(src)).path).lower()
+    stem = name.rsplit(".", 1)[0]
+    a = alt.strip().lower()
+    return a in (name, stem, re.sub(r"[_-]+", " ", stem).strip(), "image", "figure", "plot", "png")
+
+
+def check_alt_text(site: Path) -> list[str]:
+    """Problems with the images of the site in `site`: every <img> in every page needs a real alt text, one that
+    describes the figure: not missing or empty, not nbconvert's placeholder, not just the file name. Each problem
+    names the page and the image (a notebook's output images by their notebook and code cell)."""
+    site = Path(site).resolve()
+    problems: list[str] = []
+    for f in sorted(site.rglob("*.html")):
+        p = _Images()
+        p.feed(f.read_text(encoding="utf-8", errors="replace"))
+        p.close()
+        rel = f.relative_to(site).as_posix()
+        for img in p.images:
+            alt, src = img.get("alt", "").strip(), img.get("src", "")
+            where = img.get("data-ns-source") or f"image '{src[:60]}{'...' if len(src) > 60 else ''}'"
+            fix = ("give the cell a `#| fig-alt: <what the figure shows>` line" if img.get("data-ns-source")
+                   else "write what it shows in ![...](...)")
+            if not alt or alt == NO_ALT:
+                problem = f"{rel}: {where} has no alt text ({fix})"
+            elif _names_only(alt, src):
+                problem = f"{rel}: {where} has only its file name as alt text ('{alt}'; {fix})"
+            else:
+                continue
+            if problem not in problems: problems.append(problem)    # a cell's second image: said once
     return problems
 
 
