@@ -874,18 +874,20 @@ def _compile_signature(kernel, c: dict, ints: dict, ptrs: dict):
 
 def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype = torch.bfloat16,
                     config: Mapping | None = None, pdl: bool = True, bias: bool = False, gemm: bool = False,
-                    capability: int = 90, sms: int = 132, tile: int | None = None, tuned: Mapping | None = None):
+                    capability: int = 90, sms: int = 132, tile: int | None = None, tuned: Mapping | None = None,
+                    kernel=None, extra: Mapping | None = None):
     """Compile the kernel `quant_gemv` (or, with `gemm`, `quant_gemm`) launches for x [1, K] on an [N, K] layer, for
     an NVIDIA GPU of compute `capability`, on any machine (Triton's own ptxas; no GPU): Triton's compiled kernel,
     with `.asm["ptx"]` and `.asm["cubin"]`. The weights are in the layout `QuantLinear` gives the layer
-    (`gemv_tile`) unless `tile` says. Needs TRITON_INTERPRET=0 at import."""
+    (`gemv_tile`) unless `tile` says. `kernel`: a lab's fork in its place (the launched kernel's parameters, or a
+    subset), with `extra` constexprs of its own. Needs TRITON_INTERPRET=0 at import."""
     if INTERPRET: raise RuntimeError("compile_one_row needs TRITON_INTERPRET=0 when nanoserve is imported")
     if tile is None: tile = gemv_tile(N, K, group_size, tuned) if method == "int4" else 0
     if gemm:
         run = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False, dtype=dtype, tile=tile)
     else:
         run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False, tile=tile, tuned=tuned)
-    c = {**run["constexprs"], "HAS_BIAS": bias}
+    c = {**run["constexprs"], "HAS_BIAS": bias, **(extra or {})}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     int4, split = method == "int4", run["grid"][-1] > 1
     words = c.get("WORDS", False) or c.get("F16", False) or c.get("PACKED", False)     # weights read as int32
@@ -899,7 +901,7 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
             "stride_qn": gu if tile else row, "stride_qb": tile * row, "stride_qg": tile * gu if tile else gu,
             "stride_sn": 1 if tile else (K // group_size if int4 else 1), "stride_sg": N if tile else 1,
             "stride_om": N}
-    kernel = quant_gemm_kernel if gemm else quant_gemv_kernel
+    kernel = kernel or (quant_gemm_kernel if gemm else quant_gemv_kernel)
     sig, consts, attrs = _compile_signature(kernel, c, ints, ptrs)
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
