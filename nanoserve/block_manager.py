@@ -11,7 +11,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['hash_block', 'Block', 'CacheConfig', 'BlockManager']
+__all__ = ['hash_block', 'Block', 'CacheConfig', 'BlockPool', 'evict_block', 'take_free_block', 'acquire_block', 'release_blocks',
+           'BlockTables', 'check_tables', 'check_blocks', 'prefix_hits', 'PrefixCache', 'BlockManager']
 
 # %% ../nbs/00_block_manager.ipynb #fffac851
 def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
@@ -28,7 +29,7 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
 
-
+# %% ../nbs/00_block_manager.ipynb #997b9209
 @dataclass(frozen=True)
 class CacheConfig:
     "Size and policy of the paged KV cache."
@@ -54,26 +55,18 @@ class CacheConfig:
         "Token capacity of the whole pool."
         return self.num_blocks * self.block_size
 
-# %% ../nbs/00_block_manager.ipynb #defc6137
-class BlockManager:
-    "Hands out KV cache blocks: free list, per-sequence block tables, reference counts and a prefix cache."
+# %% ../nbs/00_block_manager.ipynb #33f259fc
+class BlockPool:
+    """The physical blocks, each in one of three states: free (on the free list), cached (held by nobody but named
+    by a hash, in least-recently-used order) or in use (held by `ref_count` block tables)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01):
-        self.config = CacheConfig(num_blocks, block_size, enable_prefix_caching, watermark)
-        self.block_size = block_size
+    def __init__(self, num_blocks: int):
         self._ref_counts: list[int] = [0] * num_blocks       # block id -> how many tables hold it
         self._block_hashes: list[bytes | None] = [None] * num_blocks   # block id -> its name once full and computed
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pops block 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()   # ref 0 but named, LRU first
         self._hash_to_block: dict[bytes, int] = {}
-        self._tables: dict[int, list[int]] = {}                # seq_id -> block ids
-        self._table_arrays: dict[int, array] = {}              # the same, as int64 arrays (for packing a step)
-        self._hashes: dict[int, list[bytes]] = {}              # seq_id -> hashes of its full computed blocks
-        self.num_hit_tokens = 0      # prefix-cache hits, in tokens, over all allocations
-        self.num_queried_tokens = 0  # prompt tokens that could have hit
 
-    # -- sizes ------------------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int: return len(self._ref_counts)
     @property
@@ -86,6 +79,50 @@ class BlockManager:
         return len(self._free_ids) + len(self._cached)
     @property
     def num_used_blocks(self) -> int: return self.num_blocks - self.num_free_blocks
+
+# %% ../nbs/00_block_manager.ipynb #5e139c31
+def evict_block(pool: BlockPool, block_id: int) -> None:
+    "Forget the name of a cached block: its contents can no longer be shared."
+    del pool._hash_to_block[pool._block_hashes[block_id]]
+    pool._block_hashes[block_id] = None
+
+
+def take_free_block(pool: BlockPool) -> int:
+    "A block for a table: from the free list, else the least recently used cached block, evicted."
+    if pool._free_ids: block_id = pool._free_ids.pop()
+    else:
+        block_id, _ = pool._cached.popitem(last=False)  # least recently used
+        evict_block(pool, block_id)
+    pool._ref_counts[block_id] = 1
+    return block_id
+
+
+def acquire_block(pool: BlockPool, block_id: int) -> None:
+    "One more table holds `block_id` (a cached one is revived)."
+    if pool._ref_counts[block_id] == 0: del pool._cached[block_id]
+    pool._ref_counts[block_id] += 1
+
+# %% ../nbs/00_block_manager.ipynb #dc1a0a95
+def release_blocks(pool: BlockPool, table: list[int]) -> None:
+    "Drop one reference to each block of `table`, its last block first: named blocks become cached, others free."
+    refs, names = pool._ref_counts, pool._block_hashes
+    for block_id in reversed(table):
+        refs[block_id] -= 1
+        if refs[block_id] == 0:
+            if names[block_id] is not None: pool._cached[block_id] = None
+            else: pool._free_ids.append(block_id)
+
+# %% ../nbs/00_block_manager.ipynb #4475a726
+class BlockTables(BlockPool):
+    "Each sequence's block table over the pool: `ceil(num_tokens / block_size)` blocks, in token order."
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config.num_blocks)
+        self.config, self.block_size = config, config.block_size
+        self._tables: dict[int, list[int]] = {}                # seq_id -> block ids
+        self._table_arrays: dict[int, array] = {}              # the same, as int64 arrays (for packing a step)
+        self._hashes: dict[int, list[bytes]] = {}              # seq_id -> hashes of its full computed blocks
+
     def num_blocks_for(self, num_tokens: int) -> int:
         "Blocks needed to hold `num_tokens` tokens."
         return -(-num_tokens // self.block_size)
@@ -95,47 +132,9 @@ class BlockManager:
         return self._table_arrays[seq_id].tobytes()
     def __contains__(self, seq_id: int) -> bool: return seq_id in self._tables
 
-    # -- prefix cache lookups ---------------------------------------------------------------------------
-    def _prefix_hits(self, token_ids) -> tuple[list[int], list[bytes]]:
-        "Leading cached blocks of `token_ids` (never the block holding the last token) and their hashes."
-        if not self.config.enable_prefix_caching: return [], []
-        bs, hit_ids, hashes, parent = self.block_size, [], [], None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
-            block_id = self._hash_to_block.get(parent)
-            if block_id is None: break
-            hit_ids.append(block_id); hashes.append(parent)
-        return hit_ids, hashes
-
-    def num_cached_tokens(self, token_ids) -> int:
-        "How many leading tokens of `token_ids` the prefix cache would supply."
-        return len(self._prefix_hits(token_ids)[0]) * self.block_size
-
-    # -- allocation -------------------------------------------------------------------------------------
-    def can_allocate(self, token_ids, watermark: bool = True) -> bool:
-        "Whether a sequence with these tokens can get its blocks now, leaving the watermark free if asked."
-        hit_ids, _ = self._prefix_hits(token_ids)
-        num_new = self.num_blocks_for(len(token_ids)) - len(hit_ids)
-        num_revived = sum(1 for b in hit_ids if self._ref_counts[b] == 0)  # cached blocks leave the pool
-        reserve = self.config.watermark_blocks if watermark else 0
-        return self.num_free_blocks - num_revived - num_new >= reserve
-
-    def allocate(self, seq_id: int, token_ids) -> int:
-        "Give `seq_id` blocks for all of `token_ids`, sharing cached prefix blocks; returns cached tokens."
-        if seq_id in self._tables: raise ValueError(f"sequence {seq_id} already has blocks")
-        if len(token_ids) == 0: raise ValueError("cannot allocate an empty sequence")
-        if not self.can_allocate(token_ids, watermark=False):
-            raise RuntimeError(f"not enough free blocks for sequence {seq_id}: check can_allocate first")
-        hit_ids, hashes = self._prefix_hits(token_ids)
-        for b in hit_ids: self._acquire(b)
-        table = hit_ids + [self._take_free_block() for _ in range(self.num_blocks_for(len(token_ids)) - len(hit_ids))]
+    def _add_table(self, seq_id: int, table: list[int], hashes: list[bytes]) -> None:
         self._tables[seq_id], self._hashes[seq_id] = table, hashes
         self._table_arrays[seq_id] = array("q", table)
-        num_cached = len(hit_ids) * self.block_size
-        if self.config.enable_prefix_caching:
-            self.num_hit_tokens += num_cached
-            self.num_queried_tokens += len(token_ids)
-        return num_cached
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         "Whether `seq_id` can grow to hold `num_tokens` tokens in total."
@@ -147,7 +146,7 @@ class BlockManager:
         num_new = self.num_blocks_for(num_tokens) - len(table)
         if num_new > self.num_free_blocks:
             raise RuntimeError(f"not enough free blocks to grow sequence {seq_id}: check can_append first")
-        new_ids = [self._take_free_block() for _ in range(num_new)]
+        new_ids = [take_free_block(self) for _ in range(num_new)]
         if new_ids:
             table.extend(new_ids)
             self._table_arrays[seq_id].extend(new_ids)
@@ -158,6 +157,71 @@ class BlockManager:
         table, bs = self._tables[seq_id], self.block_size
         if end > len(table) * bs: raise IndexError(f"position {end - 1} is beyond sequence {seq_id}'s blocks")
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def free(self, seq_id: int) -> None:
+        "Return `seq_id`'s blocks; named ones stay cached (LRU) until their room is needed."
+        table = self._tables.pop(seq_id)
+        del self._table_arrays[seq_id]
+        del self._hashes[seq_id]
+        release_blocks(self, table)
+
+    def reset_prefix_cache(self) -> int:
+        "Forget every cached block that nobody holds; returns how many."
+        num_forgotten = len(self._cached)
+        for block_id in list(self._cached): evict_block(self, block_id); self._free_ids.append(block_id)
+        self._cached.clear()
+        return num_forgotten
+
+# %% ../nbs/00_block_manager.ipynb #a6999b7f
+def check_tables(t: BlockTables) -> list[int]:
+    "Assert every table's own invariants; returns how many tables hold each block."
+    holders = [0] * t.num_blocks
+    for seq_id, table in t._tables.items():
+        assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
+        assert len(t._hashes[seq_id]) <= len(table)
+        assert t._table_arrays[seq_id].tolist() == table, f"sequence {seq_id}: its int64 table differs"
+        for b in table: holders[b] += 1
+    return holders
+
+# %% ../nbs/00_block_manager.ipynb #91da88e8
+def check_blocks(pool: BlockPool, holders: list[int]) -> None:
+    "Assert every block is in exactly one state, held by as many tables as its ref count says, and named consistently."
+    free = set(pool._free_ids)
+    assert len(free) == len(pool._free_ids), "a block is on the free list twice"
+    blocks = pool.blocks
+    for block in blocks:
+        b = block.block_id
+        assert block.ref_count == holders[b], f"block {b}: ref_count {block.ref_count} != {holders[b]} holders"
+        states = (b in free) + (b in pool._cached) + (block.ref_count > 0)
+        assert states == 1, f"block {b} is in {states} states (free/cached/in use)"
+        if b in free: assert block.hash is None, f"free block {b} still has a hash"
+        if b in pool._cached: assert block.hash is not None, f"cached block {b} has no hash"
+        if block.hash is not None: assert pool._hash_to_block[block.hash] == b
+    assert len(pool._hash_to_block) == sum(blk.hash is not None for blk in blocks)
+
+# %% ../nbs/00_block_manager.ipynb #abb86594
+def prefix_hits(hash_to_block: dict[bytes, int], token_ids, block_size: int) -> tuple[list[int], list[bytes]]:
+    "Leading blocks of `token_ids` that `hash_to_block` names (never the block holding the last token), and their hashes."
+    hit_ids, hashes, parent = [], [], None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        block_id = hash_to_block.get(parent)
+        if block_id is None: break
+        hit_ids.append(block_id); hashes.append(parent)
+    return hit_ids, hashes
+
+# %% ../nbs/00_block_manager.ipynb #3dda8412
+class PrefixCache(BlockTables):
+    "Names full, computed blocks by their chained hash, and finds the leading blocks a new prompt can share."
+
+    def _prefix_hits(self, token_ids) -> tuple[list[int], list[bytes]]:
+        "Leading cached blocks of `token_ids` (never the block holding the last token) and their hashes."
+        if not self.config.enable_prefix_caching: return [], []
+        return prefix_hits(self._hash_to_block, token_ids, self.block_size)
+
+    def num_cached_tokens(self, token_ids) -> int:
+        "How many leading tokens of `token_ids` the prefix cache would supply."
+        return len(self._prefix_hits(token_ids)[0]) * self.block_size
 
     def cache_blocks(self, seq_id: int, token_ids, num_computed_tokens: int) -> int:
         "Name the full blocks of `seq_id` whose tokens are all computed, so later prompts can share them."
@@ -174,63 +238,43 @@ class BlockManager:
                 num_named += 1
         return num_named
 
-    def free(self, seq_id: int) -> None:
-        "Return `seq_id`'s blocks; named ones stay cached (LRU) until their room is needed."
-        table = self._tables.pop(seq_id)
-        del self._table_arrays[seq_id]
-        del self._hashes[seq_id]
-        refs, names = self._ref_counts, self._block_hashes
-        for block_id in reversed(table):
-            refs[block_id] -= 1
-            if refs[block_id] == 0:
-                if names[block_id] is not None: self._cached[block_id] = None
-                else: self._free_ids.append(block_id)
+# %% ../nbs/00_block_manager.ipynb #defc6137
+class BlockManager(PrefixCache):
+    "Hands out KV cache blocks: free list, per-sequence block tables, reference counts and a prefix cache."
 
-    def reset_prefix_cache(self) -> int:
-        "Forget every cached block that nobody holds; returns how many."
-        num_forgotten = len(self._cached)
-        for block_id in list(self._cached): self._evict(block_id); self._free_ids.append(block_id)
-        self._cached.clear()
-        return num_forgotten
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 watermark: float = 0.01):
+        super().__init__(CacheConfig(num_blocks, block_size, enable_prefix_caching, watermark))
+        self.num_hit_tokens = 0      # prefix-cache hits, in tokens, over all allocations
+        self.num_queried_tokens = 0  # prompt tokens that could have hit
 
-    # -- internals --------------------------------------------------------------------------------------
-    def _acquire(self, block_id: int) -> None:
-        if self._ref_counts[block_id] == 0: del self._cached[block_id]   # revive a cached block
-        self._ref_counts[block_id] += 1
+    def can_allocate(self, token_ids, watermark: bool = True) -> bool:
+        "Whether a sequence with these tokens can get its blocks now, leaving the watermark free if asked."
+        hit_ids, _ = self._prefix_hits(token_ids)
+        num_new = self.num_blocks_for(len(token_ids)) - len(hit_ids)
+        num_revived = sum(1 for b in hit_ids if self._ref_counts[b] == 0)  # cached blocks leave the pool
+        reserve = self.config.watermark_blocks if watermark else 0
+        return self.num_free_blocks - num_revived - num_new >= reserve
 
-    def _evict(self, block_id: int) -> None:
-        del self._hash_to_block[self._block_hashes[block_id]]
-        self._block_hashes[block_id] = None
+    def allocate(self, seq_id: int, token_ids) -> int:
+        "Give `seq_id` blocks for all of `token_ids`, sharing cached prefix blocks; returns cached tokens."
+        if seq_id in self._tables: raise ValueError(f"sequence {seq_id} already has blocks")
+        if len(token_ids) == 0: raise ValueError("cannot allocate an empty sequence")
+        if not self.can_allocate(token_ids, watermark=False):
+            raise RuntimeError(f"not enough free blocks for sequence {seq_id}: check can_allocate first")
+        hit_ids, hashes = self._prefix_hits(token_ids)
+        for b in hit_ids: acquire_block(self, b)
+        table = hit_ids + [take_free_block(self) for _ in range(self.num_blocks_for(len(token_ids)) - len(hit_ids))]
+        self._add_table(seq_id, table, hashes)
+        num_cached = len(hit_ids) * self.block_size
+        if self.config.enable_prefix_caching:
+            self.num_hit_tokens += num_cached
+            self.num_queried_tokens += len(token_ids)
+        return num_cached
 
-    def _take_free_block(self) -> int:
-        if self._free_ids: block_id = self._free_ids.pop()
-        else:
-            block_id, _ = self._cached.popitem(last=False)  # least recently used
-            self._evict(block_id)
-        self._ref_counts[block_id] = 1
-        return block_id
-
-    # -- checking ---------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         "Assert the allocator's invariants (used by the tests after every operation)."
-        holders = [0] * self.num_blocks
-        for seq_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
-            assert len(self._hashes[seq_id]) <= len(table)
-            assert self._table_arrays[seq_id].tolist() == table, f"sequence {seq_id}: its int64 table differs"
-            for b in table: holders[b] += 1
-        free = set(self._free_ids)
-        assert len(free) == len(self._free_ids), "a block is on the free list twice"
-        blocks = self.blocks
-        for block in blocks:
-            b = block.block_id
-            assert block.ref_count == holders[b], f"block {b}: ref_count {block.ref_count} != {holders[b]} holders"
-            states = (b in free) + (b in self._cached) + (block.ref_count > 0)
-            assert states == 1, f"block {b} is in {states} states (free/cached/in use)"
-            if b in free: assert block.hash is None, f"free block {b} still has a hash"
-            if b in self._cached: assert block.hash is not None, f"cached block {b} has no hash"
-            if block.hash is not None: assert self._hash_to_block[block.hash] == b
-        assert len(self._hash_to_block) == sum(blk.hash is not None for blk in blocks)
+        check_blocks(self, check_tables(self))
         if not self.config.enable_prefix_caching: assert not self._hash_to_block
 
     def __repr__(self):
