@@ -5,17 +5,8 @@
 # %% ../nbs/17_server.ipynb #906100fd
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
-import hmac
-import json
-import os
-import queue
-import sys
-import threading
-import time
-import uuid
+import argparse, asyncio, contextlib, hmac, json, os
+import queue, sys, threading, time, uuid
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,14 +21,16 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import __version__
 from .engine import LLM, RequestOutput, SamplingParams
 from .tokenizer import load_tokenizer
 
 # %% auto #0
 __all__ = ['JsonInt', 'NonEmptyStr', 'TokenId', 'APIError', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage',
-           'ChatCompletionRequest', 'describe_validation_error', 'Histogram', 'ServerMetrics', 'RequestStream',
-           'EngineThread', 'refuse_unsupported', 'OpenAIServing', 'usage', 'sse', 'ResponseShaper', 'generate_response',
-           'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer', 'ServerThread', 'build_parser', 'main']
+           'ChatCompletionRequest', 'describe_validation_error', 'Histogram', 'ServerMetrics', 'render_metrics',
+           'RequestStream', 'EngineThread', 'refuse_unsupported', 'check_room', 'OpenAIServing', 'usage', 'sse',
+           'ResponseShaper', 'generate_response', 'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer',
+           'ServerThread', 'build_parser', 'check_serve_args', 'engine_from_args', 'main']
 
 # %% ../nbs/17_server.ipynb #1bc0742b
 class APIError(Exception):
@@ -71,7 +64,7 @@ class StreamOptions(_Strict):
     "Options of a streamed response."
     include_usage: bool = Field(False, description="send a last chunk with the token counts")
 
-
+# %% ../nbs/17_server.ipynb #87ce1281
 class _GenerationRequest(_Strict):
     model: str = Field(description="the served model's name (see /v1/models)")
     max_tokens: JsonInt | None = Field(None, ge=1, description="tokens to generate at most")
@@ -90,7 +83,7 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = Field(None, description="not supported")
     user: str | None = None
 
-
+# %% ../nbs/17_server.ipynb #3bcec2f8
 class CompletionRequest(_GenerationRequest):
     "The body of `POST /v1/completions`."
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
@@ -100,7 +93,7 @@ class CompletionRequest(_GenerationRequest):
     best_of: JsonInt | None = Field(None, description="only 1 is supported")
     logprobs: JsonInt | None = Field(None, description="not supported")
 
-
+# %% ../nbs/17_server.ipynb #3bb97be2
 class TextPart(_Strict):
     "A text part of a message's content."
     type: Literal["text"]
@@ -113,7 +106,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
-
+# %% ../nbs/17_server.ipynb #9aac6fe1
 class ChatCompletionRequest(_GenerationRequest):
     "The body of `POST /v1/chat/completions`."
     messages: list[ChatMessage] = Field(min_length=1)
@@ -123,7 +116,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} is supported")
 
-# %% ../nbs/17_server.ipynb #d3ad6237
+# %% ../nbs/17_server.ipynb #7d65fa2a
 _ACCEPTS = {"prompt": "a string or a list of token ids", "stop": "a non-empty string or a list of them",
             "content": "a string or a list of {'type': 'text', 'text': ...} parts"}
 
@@ -132,7 +125,7 @@ def _is_union_tag(x) -> bool:
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list", "dict") or "[" in x
                                    or "-" in x or x[:1].isupper())
 
-
+# %% ../nbs/17_server.ipynb #d3ad6237
 def describe_validation_error(errors: list[dict], content_type: str | None = "application/json"
                               ) -> tuple[str, str | None]:
     "One message naming the first bad field of a request body, and that field (OpenAI's `param`)."
@@ -155,13 +148,13 @@ def describe_validation_error(errors: list[dict], content_type: str | None = "ap
     else: message = f"'{name}': {e['msg'][:1].lower()}{e['msg'][1:]}"
     return message, str(path[0])
 
-# %% ../nbs/17_server.ipynb #23408bb1
+# %% ../nbs/17_server.ipynb #3ce32262
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5)
 
-
+# %% ../nbs/17_server.ipynb #23408bb1
 class Histogram:
     "A Prometheus histogram: a count per bucket (cumulative when rendered), a sum and a count."
 
@@ -220,33 +213,40 @@ class ServerMetrics:
 
     def render(self) -> str:
         "The Prometheus text format."
-        def metric(kind, name, help, *samples):
-            return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", *(f"{name}{s}" for s in samples)]
-        with self.lock:
-            rate = self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
-            lines = [
-                *metric("gauge", "nanoserve_requests_running", "Requests in the running batch.", f" {self.running}"),
-                *metric("gauge", "nanoserve_requests_waiting", "Requests waiting to run (preempted included).",
-                        f" {self.waiting}"),
-                *metric("gauge", "nanoserve_kv_blocks_used", "KV cache blocks held by requests.",
-                        f" {self.kv_blocks_used}"),
-                *metric("gauge", "nanoserve_kv_blocks_total", "KV cache blocks in all.", f" {self.kv_blocks_total}"),
-                *metric("gauge", "nanoserve_prefix_cache_hit_rate",
-                        "Share of prompt tokens found in the prefix cache, since start.", f" {rate!r}"),
-                *metric("counter", "nanoserve_prefix_cache_hit_tokens_total",
-                        "Prompt tokens found in the prefix cache.", f" {self.prefix_hit_tokens}"),
-                *metric("counter", "nanoserve_prefix_cache_queried_tokens_total",
-                        "Prompt tokens looked up in the prefix cache.", f" {self.prefix_queried_tokens}"),
-                *metric("counter", "nanoserve_prompt_tokens_total", "Prompt tokens of accepted requests.",
-                        f" {self.prompt_tokens}"),
-                *metric("counter", "nanoserve_generation_tokens_total", "Tokens generated.",
-                        f" {self.generation_tokens}"),
-                *metric("counter", "nanoserve_preemptions_total", "Requests preempted to free KV blocks.",
-                        f" {self.preemptions}"),
-                *metric("counter", "nanoserve_requests_finished_total", "Requests that ended, by finish reason.",
-                        *(f'{{finish_reason="{r}"}} {self.finished[r]}' for r in ("stop", "length", "abort"))),
-                *self.ttft.render(), *self.tpot.render(), *self.e2e.render()]
-        return "\n".join(lines) + "\n"
+        return render_metrics(self)
+
+# %% ../nbs/17_server.ipynb #7f6c8ccc
+def _metric(kind: str, name: str, help: str, *samples) -> list[str]:
+    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", *(f"{name}{s}" for s in samples)]
+
+
+def render_metrics(self: ServerMetrics) -> str:
+    "`ServerMetrics` in the Prometheus text format."
+    with self.lock:
+        rate = self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+        lines = [
+            *_metric("gauge", "nanoserve_requests_running", "Requests in the running batch.", f" {self.running}"),
+            *_metric("gauge", "nanoserve_requests_waiting", "Requests waiting to run (preempted included).",
+                     f" {self.waiting}"),
+            *_metric("gauge", "nanoserve_kv_blocks_used", "KV cache blocks held by requests.",
+                     f" {self.kv_blocks_used}"),
+            *_metric("gauge", "nanoserve_kv_blocks_total", "KV cache blocks in all.", f" {self.kv_blocks_total}"),
+            *_metric("gauge", "nanoserve_prefix_cache_hit_rate",
+                     "Share of prompt tokens found in the prefix cache, since start.", f" {rate!r}"),
+            *_metric("counter", "nanoserve_prefix_cache_hit_tokens_total",
+                     "Prompt tokens found in the prefix cache.", f" {self.prefix_hit_tokens}"),
+            *_metric("counter", "nanoserve_prefix_cache_queried_tokens_total",
+                     "Prompt tokens looked up in the prefix cache.", f" {self.prefix_queried_tokens}"),
+            *_metric("counter", "nanoserve_prompt_tokens_total", "Prompt tokens of accepted requests.",
+                     f" {self.prompt_tokens}"),
+            *_metric("counter", "nanoserve_generation_tokens_total", "Tokens generated.",
+                     f" {self.generation_tokens}"),
+            *_metric("counter", "nanoserve_preemptions_total", "Requests preempted to free KV blocks.",
+                     f" {self.preemptions}"),
+            *_metric("counter", "nanoserve_requests_finished_total", "Requests that ended, by finish reason.",
+                    *(f'{{finish_reason="{r}"}} {self.finished[r]}' for r in ("stop", "length", "abort"))),
+            *self.ttft.render(), *self.tpot.render(), *self.e2e.render()]
+    return "\n".join(lines) + "\n"
 
 # %% ../nbs/17_server.ipynb #29e3229c
 @dataclass(eq=False)
@@ -263,8 +263,68 @@ def _aborted(request_id: int) -> RequestOutput:
     return RequestOutput(request_id, None, [], finished=True, finish_reason="abort", finish_time=time.perf_counter())
 
 # %% ../nbs/17_server.ipynb #a3775c26
-class EngineThread:
-    "Owns an `LLM` on one background thread; the event loop talks to it only through queues."
+def _end_all(llm: LLM, rid_of: dict, stream_of: dict, make_item) -> list:
+    "Abort every request the engine holds: (stream, `make_item(request id)`) for each, to deliver."
+    batch = []
+    for stream, rid in list(rid_of.items()):
+        llm.abort_request(rid)
+        batch.append((stream, make_item(rid)))
+    rid_of.clear(); stream_of.clear()
+    return batch
+
+# %% ../nbs/17_server.ipynb #9793af2b
+def _apply_commands(llm: LLM, commands: list, rid_of: dict, stream_of: dict) -> tuple[list, int, list[str], bool]:
+    "The event loop's commands, applied on the engine thread: (to deliver, new prompt tokens, finish reasons, stop?)."
+    batch, new_prompt_tokens, reasons, stopping = [], 0, [], False
+    for command in commands:
+        if command[0] == "add":
+            _, stream, ids, params = command
+            try:
+                rid = llm.add_request(ids, params)
+            except ValueError as e:            # validated already; kept as a safety net
+                batch.append((stream, APIError(400, str(e))))
+                continue
+            rid_of[stream], stream_of[rid] = rid, stream
+            new_prompt_tokens += len(ids)
+        elif command[0] == "abort":
+            rid = rid_of.pop(command[1], None)
+            if rid is not None:
+                llm.abort_request(rid); del stream_of[rid]; reasons.append("abort")
+        elif command[0] in ("abort_all", "stop"):  # stop: like abort_all, then leave the loop
+            reasons += ["abort"] * len(rid_of)
+            batch += _end_all(llm, rid_of, stream_of, _aborted)
+            stopping = stopping or command[0] == "stop"
+    return batch, new_prompt_tokens, reasons, stopping
+
+# %% ../nbs/17_server.ipynb #50012ee2
+def _step(llm: LLM, rid_of: dict, stream_of: dict, batch: list, reasons: list[str]) -> list:
+    "One engine step: its (stream, output) pairs, each also into `batch`; a step that fails fails its requests."
+    outputs = []
+    try:
+        outputs = [(stream_of[o.request_id], o) for o in llm.step()]
+    except Exception as e:                 # the step was not applied; fail its requests
+        message = f"the engine failed: {type(e).__name__}: {e}"
+        batch += _end_all(llm, rid_of, stream_of, lambda rid: APIError(500, message, code="engine_error"))
+    for stream, out in outputs:
+        if out.finished:
+            del rid_of[stream], stream_of[out.request_id]
+            reasons.append(out.finish_reason)
+        batch.append((stream, out))
+    return outputs
+
+# %% ../nbs/17_server.ipynb #18404723
+def _fail_everyone(llm: LLM, rid_of: dict, stream_of: dict, inbox: queue.SimpleQueue, e: BaseException) -> list:
+    "The engine thread died of `e`: every request it held, and every one still in its inbox, gets an error."
+    batch = _end_all(llm, rid_of, stream_of, lambda rid: APIError(500, f"the engine stopped: {type(e).__name__}: {e}"))
+    with contextlib.suppress(queue.Empty):
+        while True:
+            command = inbox.get_nowait()
+            if command[0] == "add": batch.append((command[1], APIError(503, "the engine is not running")))
+    return batch
+
+# %% ../nbs/17_server.ipynb #d32a20f9
+class _EngineLoop:
+    "The engine thread's side of `EngineThread`: the loop that owns the `LLM`, and delivery onto the event loop."
 
     def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_waiting: int = 4096):
         self.llm, self.max_waiting = llm, max_waiting
@@ -276,7 +336,6 @@ class EngineThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
-    # -- the event loop's side -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         "Start the thread; outputs will be delivered on `loop` (default: the running one)."
         self._loop = loop or asyncio.get_running_loop()
@@ -293,6 +352,38 @@ class EngineThread:
     def num_waiting(self) -> int:
         with self.metrics.lock: running = self.metrics.running
         return max(0, len(self._live) - running)
+
+    def _run(self) -> None:
+        llm, rid_of, stream_of = self.llm, {}, {}        # stream -> request id, request id -> stream
+        stopping = False
+        try:
+            while not stopping:
+                commands = [] if llm.has_unfinished_requests() else [self._inbox.get()]
+                with contextlib.suppress(queue.Empty):
+                    while True: commands.append(self._inbox.get_nowait())
+                batch, new_prompt_tokens, reasons, stopping = _apply_commands(llm, commands, rid_of, stream_of)
+                run_step = llm.has_unfinished_requests() and not stopping
+                outputs = _step(llm, rid_of, stream_of, batch, reasons) if run_step else []
+                self.metrics.update(llm, new_prompt_tokens, outputs, reasons)
+                self._send(batch)
+        except BaseException as e:                         # a bug: fail everyone rather than hang them
+            self.error = e
+            self._send(_fail_everyone(llm, rid_of, stream_of, self._inbox, e))
+            raise
+
+    def _deliver(self, batch: list) -> None:           # on the event loop
+        for stream, item in batch:
+            if item is not None: stream.queue.put_nowait(item)
+            if isinstance(item, BaseException) or getattr(item, "finished", False): self._live.discard(stream)
+
+    def _send(self, batch: list) -> None:
+        if batch:
+            with contextlib.suppress(RuntimeError):       # the event loop is already closed
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+
+# %% ../nbs/17_server.ipynb #d2955252
+class EngineThread(_EngineLoop):
+    "Owns an `LLM` on one background thread; the event loop talks to it only through queues."
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         "Queue a validated request; raises `APIError` 503 when shutting down or the waiting queue is full."
@@ -345,81 +436,7 @@ class EngineThread:
         self._inbox.put(("stop",))
         await asyncio.to_thread(self._thread.join, 30)
 
-    def _deliver(self, batch: list) -> None:           # on the event loop
-        for stream, item in batch:
-            if item is not None: stream.queue.put_nowait(item)
-            if isinstance(item, BaseException) or getattr(item, "finished", False): self._live.discard(stream)
-
-    # -- the engine thread -----------------------------------------------------------------------------
-    def _run(self) -> None:
-        llm, rid_of, stream_of = self.llm, {}, {}        # stream -> request id, request id -> stream
-
-        def end_all(make_item):
-            batch = []
-            for stream, rid in list(rid_of.items()):
-                llm.abort_request(rid)
-                batch.append((stream, make_item(rid)))
-            rid_of.clear(); stream_of.clear()
-            return batch
-
-        stopping, batch = False, []
-        try:
-            while not stopping:
-                commands = [] if llm.has_unfinished_requests() else [self._inbox.get()]
-                with contextlib.suppress(queue.Empty):
-                    while True: commands.append(self._inbox.get_nowait())
-                batch, new_prompt_tokens, reasons = [], 0, []
-                for command in commands:
-                    if command[0] == "add":
-                        _, stream, ids, params = command
-                        try:
-                            rid = llm.add_request(ids, params)
-                        except ValueError as e:            # validated already; kept as a safety net
-                            batch.append((stream, APIError(400, str(e))))
-                            continue
-                        rid_of[stream], stream_of[rid] = rid, stream
-                        new_prompt_tokens += len(ids)
-                    elif command[0] == "abort":
-                        rid = rid_of.pop(command[1], None)
-                        if rid is not None:
-                            llm.abort_request(rid); del stream_of[rid]; reasons.append("abort")
-                    elif command[0] == "abort_all":
-                        reasons += ["abort"] * len(rid_of)
-                        batch += end_all(_aborted)
-                    elif command[0] == "stop":             # like abort_all, then leave the loop
-                        reasons += ["abort"] * len(rid_of)
-                        batch += end_all(_aborted)
-                        stopping = True
-                outputs = []
-                if llm.has_unfinished_requests() and not stopping:
-                    try:
-                        outputs = [(stream_of[o.request_id], o) for o in llm.step()]
-                    except Exception as e:                 # the step was not applied; fail its requests
-                        message = f"the engine failed: {type(e).__name__}: {e}"
-                        batch += end_all(lambda rid: APIError(500, message, code="engine_error"))
-                for stream, out in outputs:
-                    if out.finished:
-                        del rid_of[stream], stream_of[out.request_id]
-                        reasons.append(out.finish_reason)
-                    batch.append((stream, out))
-                self.metrics.update(llm, new_prompt_tokens, outputs, reasons)
-                self._send(batch)
-        except BaseException as e:                         # a bug: fail everyone rather than hang them
-            self.error = e
-            batch = end_all(lambda rid: APIError(500, f"the engine stopped: {type(e).__name__}: {e}"))
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    command = self._inbox.get_nowait()
-                    if command[0] == "add": batch.append((command[1], APIError(503, "the engine is not running")))
-            self._send(batch)
-            raise
-
-    def _send(self, batch: list) -> None:
-        if batch:
-            with contextlib.suppress(RuntimeError):       # the event loop is already closed
-                self._loop.call_soon_threadsafe(self._deliver, batch)
-
-# %% ../nbs/17_server.ipynb #f0c15af2
+# %% ../nbs/17_server.ipynb #5134c9d8
 _UNSUPPORTED = (    # (field, is the value fine?, what to say otherwise)
     ("n", lambda v: v == 1, "n > 1 is not supported: one choice per request (send n requests instead)"),
     ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
@@ -434,7 +451,7 @@ _UNSUPPORTED = (    # (field, is the value fine?, what to say otherwise)
     ("response_format", lambda v: not v or v == {"type": "text"}, "response_format other than text is not supported"),
 )
 
-
+# %% ../nbs/17_server.ipynb #f0c15af2
 def refuse_unsupported(req: _GenerationRequest) -> None:
     "Raise a 400 naming the first option that asks for something the engine does not do."
     for name, fine, message in _UNSUPPORTED:
@@ -443,6 +460,22 @@ def refuse_unsupported(req: _GenerationRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
+# %% ../nbs/17_server.ipynb #85169fad
+def check_room(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, max_tokens_name: str,
+               prompt_name: str) -> int:
+    "The tokens to generate (`max_tokens`, or all the room left), after checking the prompt and them against the context."
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens, but the model's context is "
+                            f"{max_model_len} tokens (at least 1 must be left to generate)",
+                       param=prompt_name, code="context_length_exceeded")
+    max_tokens = room if max_tokens is None else max_tokens
+    if max_tokens > room:
+        raise APIError(400, f"{max_tokens_name} is {max_tokens}, but the prompt's {num_prompt_tokens} tokens leave "
+                            f"room for only {room} of the model's {max_model_len}-token context",
+                       param=max_tokens_name, code="context_length_exceeded")
+    return max_tokens
+
 # %% ../nbs/17_server.ipynb #c3cf564a
 class OpenAIServing:
     "What the routes share: the engine thread, the model's name and limits, the event loop's own tokenizer."
@@ -450,7 +483,7 @@ class OpenAIServing:
     def __init__(self, llm: LLM, engine: EngineThread, served_model_name: str | None = None):
         self.engine = engine
         self.model_name = served_model_name or llm.model_dir.name
-        self.max_model_len, self.vocab_size = llm.max_model_len, llm.config.vocab_size
+        self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
         self.tokenizer = load_tokenizer(llm.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
         self.created = int(time.time())
@@ -488,16 +521,7 @@ class OpenAIServing:
     def sampling_params(self, req: _GenerationRequest, num_prompt_tokens: int, max_tokens: int | None,
                         max_tokens_name: str, prompt_name: str) -> SamplingParams:
         "The engine's parameters, after checking the prompt and `max_tokens` against the context."
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens, but the model's context is "
-                                f"{self.max_model_len} tokens (at least 1 must be left to generate)",
-                           param=prompt_name, code="context_length_exceeded")
-        max_tokens = room if max_tokens is None else max_tokens
-        if max_tokens > room:
-            raise APIError(400, f"{max_tokens_name} is {max_tokens}, but the prompt's {num_prompt_tokens} tokens leave "
-                                f"room for only {room} of the model's {self.max_model_len}-token context",
-                           param=max_tokens_name, code="context_length_exceeded")
+        max_tokens = check_room(self.max_model_len, num_prompt_tokens, max_tokens, max_tokens_name, prompt_name)
         try:
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if req.temperature is None else req.temperature,
@@ -507,7 +531,7 @@ class OpenAIServing:
         except ValueError as e:        # a last net: the schema should have caught it
             raise APIError(400, str(e))
 
-# %% ../nbs/17_server.ipynb #711d6cc5
+# %% ../nbs/17_server.ipynb #5796533e
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -517,7 +541,7 @@ def sse(obj) -> str:
     "One server-sent event."
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
-
+# %% ../nbs/17_server.ipynb #711d6cc5
 class ResponseShaper:
     "OpenAI's response bodies and stream chunks for one request, `kind` 'completion' or 'chat'."
 
@@ -553,7 +577,7 @@ class ResponseShaper:
         return {**self._head("text_completion" if self.kind == "completion" else "chat.completion.chunk"),
                 "choices": [], "usage": usage}
 
-# %% ../nbs/17_server.ipynb #8343d1e8
+# %% ../nbs/17_server.ipynb #a77c9967
 class _StreamingResponse(StreamingResponse):
     "A streamed response that aborts its request when it ends, however it ends."
 
@@ -569,7 +593,20 @@ class _StreamingResponse(StreamingResponse):
 async def _until_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect": pass
 
+# %% ../nbs/17_server.ipynb #47408c19
+async def _event_stream(engine: EngineThread, stream: RequestStream, shaper: ResponseShaper, n_prompt: int):
+    "The server-sent events of one streamed answer: a chunk per step with tokens, the finish, the usage, [DONE]."
+    try:
+        if shaper.kind == "chat": yield sse(shaper.chunk(first=True))
+        async for out in engine.outputs(stream):
+            if out.new_token_ids: yield sse(shaper.chunk(out.new_text))   # a chunk per step with tokens, text or not
+            if out.finished: yield sse(shaper.chunk(finish_reason=out.finish_reason))
+        if shaper.include_usage: yield sse(shaper.usage_chunk(usage(n_prompt, stream.num_output_tokens)))
+    except APIError as e:
+        yield sse(e.body())
+    yield sse("[DONE]")
 
+# %% ../nbs/17_server.ipynb #8343d1e8
 async def generate_response(serving: OpenAIServing, request: Request, shaper: ResponseShaper, stream_it: bool,
                             ids: list[int], params: SamplingParams) -> Response | dict:
     "Submit one validated request and answer it, streamed or whole."
@@ -577,17 +614,7 @@ async def generate_response(serving: OpenAIServing, request: Request, shaper: Re
     stream = engine.submit(ids, params)
     n_prompt = len(ids)
     if stream_it:
-        async def events():
-            try:
-                if shaper.kind == "chat": yield sse(shaper.chunk(first=True))
-                async for out in engine.outputs(stream):
-                    if out.new_token_ids: yield sse(shaper.chunk(out.new_text))   # a chunk per step with tokens, text or not
-                    if out.finished: yield sse(shaper.chunk(finish_reason=out.finish_reason))
-                if shaper.include_usage: yield sse(shaper.usage_chunk(usage(n_prompt, stream.num_output_tokens)))
-            except APIError as e:
-                yield sse(e.body())
-            yield sse("[DONE]")
-        return _StreamingResponse(events(), on_close=lambda: engine.abort(stream))
+        return _StreamingResponse(_event_stream(engine, stream, shaper, n_prompt), on_close=lambda: engine.abort(stream))
 
     async def collect() -> RequestOutput:
         texts, last = [], None
@@ -607,12 +634,12 @@ async def generate_response(serving: OpenAIServing, request: Request, shaper: Re
     out = work.result()
     return shaper.response(out.text, out.finish_reason, usage(n_prompt, stream.num_output_tokens))
 
-# %% ../nbs/17_server.ipynb #f0f83ba2
+# %% ../nbs/17_server.ipynb #f0f25e7f
 class _BodyTooLarge(StarletteHTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
 
-
+# %% ../nbs/17_server.ipynb #f0f83ba2
 class _Guard:
     "ASGI middleware: the API key on /v1/* (401) and the body size limit (413), before any route runs."
 
@@ -646,7 +673,7 @@ class _Guard:
             return message
         await self.app(scope, counted, send)
 
-# %% ../nbs/17_server.ipynb #4adc8a75
+# %% ../nbs/17_server.ipynb #096810d0
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -658,7 +685,7 @@ class ErrorResponse(BaseModel):
     "OpenAI's error body."
     error: ErrorDetail
 
-
+# %% ../nbs/17_server.ipynb #4adc8a75
 def _documented(*statuses: int) -> dict:
     what = {400: "invalid request: malformed JSON, wrong types, missing fields, values out of range or context",
             401: "missing or wrong API key", 404: "unknown model", 413: "request body too large",
@@ -683,7 +710,7 @@ def _openapi(app: FastAPI) -> dict:
         app.openapi_schema = schema
     return app.openapi_schema
 
-# %% ../nbs/17_server.ipynb #a0c84308
+# %% ../nbs/17_server.ipynb #1700523a
 async def _api_error(request: Request, e: APIError) -> JSONResponse: return e.response()
 
 
@@ -693,7 +720,7 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     code = {413: "request_too_large"}.get(e.status_code)
     return APIError(e.status_code, str(message), code=code, headers=dict(e.headers or {})).response()
 
-
+# %% ../nbs/17_server.ipynb #a0c84308
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     message, param = describe_validation_error(list(e.errors()), request.headers.get("content-type"))
     return APIError(400, message, param=param).response()
@@ -702,11 +729,61 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
 async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
     return APIError(500, f"internal server error ({type(e).__name__})").response()
 
+# %% ../nbs/17_server.ipynb #4b38ae1d
+def _completions_route(app: FastAPI, serving: OpenAIServing) -> None:
+    "`POST /v1/completions`: check, submit, answer."
+    @app.post("/v1/completions", responses={**_GENERATED, **_documented(400, 401, 404, 413, 503)})
+    async def completions(body: CompletionRequest, request: Request):
+        "Continue a prompt (a string or token ids)."
+        serving.check_model(body.model)
+        refuse_unsupported(body)
+        ids = serving.prompt_ids(body.prompt)
+        params = serving.sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
+                                         "max_tokens", "prompt")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        shaper = ResponseShaper("completion", serving.model_name, include_usage)
+        return await generate_response(serving, request, shaper, body.stream, ids, params)
+
+# %% ../nbs/17_server.ipynb #8e28ee00
+def _chat_route(app: FastAPI, serving: OpenAIServing) -> None:
+    "`POST /v1/chat/completions`: the conversation through the chat template, then as a completion."
+    @app.post("/v1/chat/completions", responses={**_GENERATED, **_documented(400, 401, 404, 413, 503)})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        "Answer a conversation, through the model's chat template."
+        serving.check_model(body.model)
+        refuse_unsupported(body)
+        ids = serving.chat_prompt_ids(body.messages)
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = serving.sampling_params(body, len(ids), max_tokens, name, "messages")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        shaper = ResponseShaper("chat", serving.model_name, include_usage)
+        return await generate_response(serving, request, shaper, body.stream, ids, params)
+
+# %% ../nbs/17_server.ipynb #a669e744
+def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread) -> None:
+    "`GET /v1/models`, `/health` and `/metrics`."
+    @app.get("/v1/models", responses=_documented(401))
+    async def models():
+        "The one model this server serves."
+        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
+                                            "owned_by": "nanoserve", "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "the engine is not running"}})
+    async def health():
+        "200 while the engine thread runs and the server is not shutting down."
+        if not engine.alive or engine.closing: raise APIError(503, "the engine is not running", code="unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        "Prometheus text format."
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
 # %% ../nbs/17_server.ipynb #7a269dc5
 def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
               max_waiting: int = 4096, max_body_bytes: int = 1 << 20) -> FastAPI:
     "The OpenAI-compatible app over `llm`; its engine thread runs while the app is served."
-    from nanoserve import __version__
     engine = EngineThread(llm, ServerMetrics(llm.num_kv_blocks), max_waiting)
     serving = OpenAIServing(llm, engine, served_model_name)
 
@@ -726,48 +803,9 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     app.add_exception_handler(Exception, _unexpected_error)
     app.openapi = lambda: _openapi(app)
 
-    @app.post("/v1/completions", responses={**_GENERATED, **_documented(400, 401, 404, 413, 503)})
-    async def completions(body: CompletionRequest, request: Request):
-        "Continue a prompt (a string or token ids)."
-        serving.check_model(body.model)
-        refuse_unsupported(body)
-        ids = serving.prompt_ids(body.prompt)
-        params = serving.sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
-                                         "max_tokens", "prompt")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shaper = ResponseShaper("completion", serving.model_name, include_usage)
-        return await generate_response(serving, request, shaper, body.stream, ids, params)
-
-    @app.post("/v1/chat/completions", responses={**_GENERATED, **_documented(400, 401, 404, 413, 503)})
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        "Answer a conversation, through the model's chat template."
-        serving.check_model(body.model)
-        refuse_unsupported(body)
-        ids = serving.chat_prompt_ids(body.messages)
-        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = serving.sampling_params(body, len(ids), max_tokens, name, "messages")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shaper = ResponseShaper("chat", serving.model_name, include_usage)
-        return await generate_response(serving, request, shaper, body.stream, ids, params)
-
-    @app.get("/v1/models", responses=_documented(401))
-    async def models():
-        "The one model this server serves."
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
-                                            "owned_by": "nanoserve", "max_model_len": serving.max_model_len}]}
-
-    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "the engine is not running"}})
-    async def health():
-        "200 while the engine thread runs and the server is not shutting down."
-        if not engine.alive or engine.closing: raise APIError(503, "the engine is not running", code="unavailable")
-        return {"status": "ok"}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        "Prometheus text format."
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    _completions_route(app, serving)
+    _chat_route(app, serving)
+    _info_routes(app, serving, engine)
     return app
 
 # %% ../nbs/17_server.ipynb #42b9a245
@@ -814,21 +852,9 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=60)
 
-# %% ../nbs/17_server.ipynb #8933fee8
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanoserve serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Serve a Qwen2 model over an OpenAI-compatible HTTP API.")
-    p.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model)")
-    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder's name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                                                   "(default: $NANOSERVE_API_KEY; none: open)")
-    p.add_argument("--max-waiting", type=int, default=4096, help="waiting requests beyond which new ones get 503")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--shutdown-grace", type=float, default=5.0,
-                   help="seconds running requests may finish at shutdown before they are aborted")
-    e = p.add_argument_group("engine")
+# %% ../nbs/17_server.ipynb #172baefc
+def _engine_args(e) -> None:
+    "The engine's options, as `LLM` takes them."
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from free memory")
@@ -850,32 +876,58 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
     e.add_argument("--seed", type=int, default=0)
+
+# %% ../nbs/17_server.ipynb #8933fee8
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanoserve serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Serve a Qwen2 model over an OpenAI-compatible HTTP API.")
+    p.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                                                   "(default: $NANOSERVE_API_KEY; none: open)")
+    p.add_argument("--max-waiting", type=int, default=4096, help="waiting requests beyond which new ones get 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds running requests may finish at shutdown before they are aborted")
+    _engine_args(p.add_argument_group("engine"))
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     return p
 
-
-def main(argv: list[str] | None = None) -> int:
-    "`nanoserve serve`: load the model and serve it until interrupted."
-    args = build_parser().parse_args(argv)
-    api_key = args.api_key or os.environ.get("NANOSERVE_API_KEY") or None
+# %% ../nbs/17_server.ipynb #f9ca89b3
+def check_serve_args(args) -> None:
+    "What argparse cannot check, every problem in one message."
     problems = []
     if not 0 <= args.port <= 65535: problems.append(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 0: problems.append(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.max_body_bytes < 1: problems.append(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not args.shutdown_grace >= 0: problems.append(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if problems: raise ValueError("; ".join(problems))
+
+# %% ../nbs/17_server.ipynb #4baf64af
+def engine_from_args(args) -> LLM:
+    "The engine of a `serve` command line (freeze_gc: a server runs one engine for its whole life)."
+    return LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
+               seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+               mixed_step_graphs=not args.no_mixed_step_graphs, row_gemv=False if args.no_row_gemv else None,
+               pdl=False if args.no_pdl else None,
+               async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
+               show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+               quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
+
+# %% ../nbs/17_server.ipynb #c13808c3
+def main(argv: list[str] | None = None) -> int:
+    "`nanoserve serve`: load the model and serve it until interrupted."
+    args = build_parser().parse_args(argv)
+    api_key = args.api_key or os.environ.get("NANOSERVE_API_KEY") or None
     try:
-        if problems: raise ValueError("; ".join(problems))
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                  gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
-                  seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                  mixed_step_graphs=not args.no_mixed_step_graphs, row_gemv=False if args.no_row_gemv else None,
-                  pdl=False if args.no_pdl else None,
-                  async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
-                  show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-                  quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
+        check_serve_args(args)
+        llm = engine_from_args(args)
         app = build_app(llm, served_model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes)
     except (ValueError, FileNotFoundError) as e:
