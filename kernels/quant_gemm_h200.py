@@ -1,98 +1,144 @@
-"""The INT4 tensor-core GEMM on the H200: the nibbles interleaved in registers and converted one by one (the
-package's first path, `PACKED: False`) against the weights read as int32 words and dequantized two at a time in
-packed bf16 pairs (`PACKED`, `DEQUANT_ASM`; the package's path since git f80aa99), per 7B projection; then the 7B
-decode step at batch 8 and 32 with each, against bf16, in one run (issue 9).
+"""The INT4 tensor-core GEMM on the H200: the nibbles unpacked one by one (`PACKED: False`) against the weights read
+as int32 words and dequantized two at a time in packed bf16 pairs (`PACKED`, `DEQUANT_ASM`: the package's path),
+per 7B projection over a few tiles; then the 7B decode step at batch 8 and 32, bf16 against INT4 as shipped.
 
 Run on the device machine from the repo root:
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_gemm_h200.py --out $OUT
-Writes quant_gemm_h200.json (raw numbers, git sha, GPU, versions, date) after every part; copy it to figures/data/.
-a. gemm: each projection at T in (8, 32): bf16 F.linear, the nibble path (the rule's tiles), and PACKED
-   over a few tiles (BLOCK_N, num_warps 4 or 8, num_stages 3 or 4; BLOCK_K = the group), each timed by
-   graph_bench (calls over enough weight copies to defeat L2, captured in one CUDA graph); max relative error
-   against the fp32 reference.
-   The best PACKED tiles per (layer, T) are kept for part b. `--parts prefill` does the same at 128 and 512 rows,
-   into "prefill".
-b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32: bf16, INT4 on the nibble path (the
-   package's `gemm_config` wrapped to turn PACKED off; row name "int4"), INT4 with PACKED and part a's best tiles
-   ("int4 packed"), two timed passes each.
+    PYTHONPATH=. python kernels/quant_gemm_h200.py --out $OUT [--parts gemm,rate,prefill]
+Writes quant_gemm_h200.json (run metadata inside) after every part; copy it to figures/data/.
+a. gemm: each projection at T in (8, 32): bf16 F.linear, the nibble path, and PACKED over a few tiles (BLOCK_N,
+   num_warps 4 or 8, num_stages 3 or 4; BLOCK_K = the group), each passed to `quant_gemm` as `config=`, checked
+   against the fp32 reference (max relative error, asserted), then timed by `graph_bench` (calls over enough weight
+   copies to defeat L2, captured in one CUDA graph). `prefill` does the same at 128 and 512 rows.
+b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32, bf16 and INT4, two passes each
+   (`lab.twice`). The engine takes the package's GEMM rule; an A/B of GEMM tiles is part a's, per call.
+`--smoke`: the same on tiny shapes on the CPU under the interpreter (the engine on the built-in tiny model).
 """
-import json, sys
+import gc, sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import (LLM, device_or_skip, is_smoke, median, parser, run_parts, steady_decode, sync, time_cuda, time_wall,
+                 tiny_model, twice, warm, write)
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-import graphs_h200 as G                                                       # noqa: E402
-from diet_h200 import layer_operands, layer_shapes, quantized_copies          # noqa: E402
-import nanoserve.quant as Q                                                   # noqa: E402
+import nanoserve.quant as Q
+from nanoserve.bench import random_checkpoint
+from nanoserve.model import SHAPES
 
-ORIGINAL_GEMM_CONFIG = Q.gemm_config
-BEST: dict[tuple[int, int, int], dict] = {}            # (N, K, T bucket) -> PACKED tiles
-
-
+GROUP = 128
 NIBBLES = {"PACKED": False}                            # the control: INT4 unpacked nibble by nibble
+TINY = [("o_proj", 256, 256, False), ("down_proj", 256, 512, False)]   # --smoke's layers
 
 
-def packed_gemm_config(M, N, K, method, group_size, sms, config=None):
-    "The package's GEMM rule, with PACKED (and part a's best tiles for this layer and row bucket) for INT4."
-    if method != "int4": return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, config)
-    extra = {"PACKED": True, **BEST.get((N, K, 8 if M <= 16 else 32), {})}
-    return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, {**extra, **(config or {})})
+def layer_shapes(smoke: bool):
+    "(name, N out, K in, has bias) of a 7B decoder layer's linear layers (tiny ones under --smoke)."
+    if smoke: return TINY
+    c = SHAPES["7B"]
+    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
+            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
 
 
-def nibble_gemm_config(M, N, K, method, group_size, sms, config=None):
-    "The package's GEMM rule with PACKED off (the control)."
-    return ORIGINAL_GEMM_CONFIG(M, N, K, method, group_size, sms, {**(config or {}), **NIBBLES})
+def copies(tensors, size: int, device) -> list[tuple]:
+    "The operands and clones, >= 256 MB in all on a GPU (five times L2: no call finds its weights cached); one on a CPU."
+    n = max(1, min(32, -(-(256 << 20) // max(size, 1)))) if device.type == "cuda" else 1
+    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(n - 1)]
 
 
-def gemm(res, row_counts=(8, 32), key="gemm"):
+def graph_bench(make_call, n: int, device) -> float:
+    """us per call of `make_call(i)()` over the `n` operand copies, as a decode step sees it: on a GPU the calls are
+    captured in one CUDA graph, replayed ten times a pass, the faster of two passes; on a CPU, one timed call."""
+    calls = [make_call(i) for i in range(n)]
+    for c in calls: c()                               # compile, pick algorithms, make the split counters
+    if device.type != "cuda": return min(time_cuda(calls[0], reps=1, warmup=0, device=device)) * 1e6
+    sync(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls: c()
+    g.replay(); sync(device)
+    replay10 = lambda: [g.replay() for _ in range(10)]
+    return min(time_cuda(replay10, reps=2, warmup=0, device=device)) * 1e6 / (10 * n)
+
+
+def tiles(smoke: bool) -> list[dict]:
+    "The PACKED tiles tried: the rule's, then BLOCK_N x warps x stages."
+    out = [{}] + [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n in (64, 128) for w in (4, 8) for s in (3, 4)]
+    return out[:2] if smoke else out
+
+
+def gemm_row(name, N, K, T, w, b, q, qs, device, smoke):
+    "One projection at T rows: bf16, the nibble path and each PACKED tile, checked, then timed."
+    x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
+    ref = Q.quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", GROUP)
+    err = lambda cfg: ((Q.quant_gemm(x, *q, b, "int4", GROUP, config=cfg).float() - ref).abs().max()
+                       / ref.abs().max()).item()
+    configs = [NIBBLES] + [{"PACKED": True, **t} for t in tiles(smoke)]
+    errs = [err(c) for c in configs]                                 # check first
+    assert max(errs) < 0.02, (name, T, errs)
+    ws = copies((w,), 2 * N * K, device)
+    qb = sum(t.numel() * t.element_size() for t in q if t is not None)
+    time_of = lambda cfg: graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", GROUP, config=cfg)),
+                                      len(qs), device)
+    row = {"layer": name, "N": N, "K": K, "T": T, "weight_bytes": qb,
+           "bf16_us": graph_bench(lambda i: (lambda: F.linear(x, ws[i][0], b)), len(ws), device),
+           "int4_us": time_of(NIBBLES), "int4_err": errs[0],
+           "packed": [{**c, "us": time_of(c), "rel_err": e} for c, e in zip(configs[1:], errs[1:])]}
+    row["best_packed"] = min(row["packed"], key=lambda r: r["us"])
+    print(f"gemm {name} T={T}: bf16 {row['bf16_us']:.1f} us, nibbles {row['int4_us']:.1f} us, packed "
+          f"{row['best_packed']['us']:.1f} us {row['best_packed']}", flush=True)
+    return row
+
+
+def gemm(res, device, smoke, row_counts, key):
     rows = res[key] = []
-    tiles = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n in (64, 128) for w in (4, 8) for s in (3, 4)]
-    for name, N, K, act, bias in layer_shapes("7B"):
-        w, b, _, nbytes, ws = layer_operands(N, K, False, bias)
-        q, qs, qb = quantized_copies(w, "int4")
-        for T in row_counts:
-            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-            ref = Q.quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", 128)
-            err = lambda out: ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            row = {"layer": name, "N": N, "K": K, "T": T,
-                   "bf16_us": min(G.graph_bench(lambda i: (lambda: F.linear(x, ws[i], b)), nbytes)),
-                   "int4_us": min(G.graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", 128,
-                                                                                config=NIBBLES)), qb)),
-                   "int4_err": err(Q.quant_gemm(x, *q, b, "int4", 128, config=NIBBLES)), "packed": []}
-            for cfg in [{}] + tiles:
-                c = {"PACKED": True, **cfg}
-                us = min(G.graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", 128, config=c)), qb))
-                row["packed"].append({**c, "us": us, "rel_err": err(Q.quant_gemm(x, *q, b, "int4", 128, config=c))})
-            best = min(row["packed"], key=lambda r: r["us"])
-            row["best_packed"] = best
-            if T <= 32:                                    # decode rows: the tiles part b runs with
-                BEST[(N, K, T)] = {k: best[k] for k in ("BLOCK_N", "num_warps", "num_stages") if k in best}
-            print(f"gemm {name} T={T}: bf16 {row['bf16_us']:.1f} us, int4 {row['int4_us']:.1f} us, packed "
-                  f"{best['us']:.1f} us {BEST.get((N, K, T), '')}, errs {row['int4_err']:.1e} "
-                  f"{max(r['rel_err'] for r in row['packed']):.1e}", flush=True)
-            rows.append(row)
-        del qs, ws; torch.cuda.empty_cache()
-    res["best_packed_tiles"] = {f"{n}x{k} T={t}": c for (n, k, t), c in BEST.items()}
+    for name, N, K, bias in layer_shapes(smoke):
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g) * 0.02
+        b = torch.randn(N, device=device, dtype=torch.bfloat16, generator=g) * 0.02 if bias else None
+        q = Q.quantize_int4(w, GROUP)
+        qs = copies(q, sum(t.numel() * t.element_size() for t in q), device)
+        for T in row_counts: rows.append(gemm_row(name, N, K, T, w, b, q, qs, device, smoke))
+        del qs, w; gc.collect()
+        if device.type == "cuda": torch.cuda.empty_cache()
 
 
-def rate(res):
-    model = G.fast_random_checkpoint("7B")
-    G.step_rates(model, res, "7B", [8, 32], [("bf16", {})], "rate")
-    try:                                               # gemm_launch looks the rule up in the module
-        for name, rule in (("int4", nibble_gemm_config), ("int4 packed", packed_gemm_config)):
-            Q.gemm_config = rule
-            G.step_rates(model, res, "7B", [8, 32], [(name, {"quantization": "int4"})], "rate")
-    finally:
-        Q.gemm_config = ORIGINAL_GEMM_CONFIG
+def rate(res, device, smoke, batches):
+    "ms per decode step, bf16 and INT4 (two passes each after a warm-up pass), one engine alive at a time."
+    rows = res.setdefault("rate", [])
+    model_dir = tiny_model() if smoke else random_checkpoint("7B")
+    steps = 2 if smoke else 200
+    for cname, q in (("bf16", {}), ("int4", {"quantization": "int4", "quant_group_size": 16 if smoke else GROUP})):
+        base = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256} if smoke else {"dtype": "bfloat16",
+                                                                                            "num_kv_blocks": 4096}
+        llm = LLM(model_dir, **base, **q, max_num_seqs=max(batches), max_num_batched_tokens=2048)
+        for b in batches:
+            steady_decode(llm, b, prompt_len=16 if smoke else 128)
+            warm(device, 1.0)
+            one_pass = lambda: median(time_wall(lambda: [llm.step() for _ in range(steps)], reps=1, warmup=0,
+                                                device=device)) / steps * 1e3
+            one_pass()
+            a, b2, disagree = twice(one_pass)
+            rows.append({"shape": "tiny" if smoke else "7B", "config": cname, "batch": b, "ms_per_step": [a, b2],
+                         "best_ms": min(a, b2), "disagree": disagree})
+            print("rate", rows[-1], flush=True)
+        llm.close(); del llm
 
 
 def main():
-    args, res, out = G.script_args("quant_gemm_h200", "gemm,rate")
-    G.run_parts({"gemm": lambda: gemm(res), "rate": lambda: rate(res),
-                 "prefill": lambda: gemm(res, (128, 512), "prefill")}, args.parts, res, out)
-    out.write_text(json.dumps(res, indent=1))
+    args = parser(__doc__, parts="gemm,rate").parse_args()
+    device, smoke = device_or_skip(args), is_smoke(args)
+    res = {"group_size": GROUP, "timer": "graph_bench (us per call, the faster of two passes)"}
+    parts = {"gemm": lambda: gemm(res, device, smoke, (8,) if smoke else (8, 32), "gemm"),
+             "prefill": lambda: gemm(res, device, smoke, (16,) if smoke else (128, 512), "prefill"),
+             "rate": lambda: rate(res, device, smoke, (2,) if smoke else (8, 32))}
+    def save(name, err):
+        if err: res[f"{name}_error"] = err
+        write("quant_gemm_h200.json", res, args)
+    run_parts(parts, args.parts + (",prefill" if smoke else ""), save)
+    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
 
 
 if __name__ == "__main__":
