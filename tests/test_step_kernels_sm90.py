@@ -1,6 +1,7 @@
-"""The batch-1 step's kernels of the CUDA-graphs chapter's sixth round, compiled for sm_90 on the CPU (Triton's own
-ptxas, no GPU): the interpreter runs their arithmetic in the notebooks, but not the compiler, so a kernel that only
-fails to compile would reach the H200 first."""
+"""The kernels of a replayed batch-1 decode step (the decode kernel with RoPE inside, `argmax_rows`, `copy_rows`,
+`load_step`, `gemv` with and without the norm), compiled for sm_90 on the CPU (Triton's own ptxas, no GPU): the
+interpreter runs their arithmetic in the notebooks, but not the compiler, so a kernel that only fails to compile
+would reach the H200 first."""
 import json
 
 import pytest
