@@ -7,9 +7,13 @@ Writes yardsticks_h200.json (raw numbers, git sha, GPU, versions, date) to --out
    decoding by full recomputation (the oracle), random weights of the Qwen2.5-0.5B shape.
 2. timings in bf16 on lognormal requests (all arriving at 0): run_hf_static at a few batch sizes and
    run_hf_continuous, each after a warm-up of several seconds and each timed twice (flag > 15% disagreement).
+`--smoke`: the same code on the CPU with a two-layer model of a tiny shape and a few requests, into a temp folder.
 """
-import argparse, json, math, os, subprocess, sys, tempfile, time
+import math, sys, tempfile, time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))      # the only sys.path use in the lab
+from lab import device_or_skip, is_smoke, parser, write   # first: --smoke must set the interpreter before torch loads
 
 import torch
 
@@ -19,24 +23,27 @@ SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
              vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
 
 
-from nanoserve.measure import run_meta as meta_info   # git sha, GPU, versions, date
+from nanoserve.measure import run_meta
+SMOKE_SHAPE = dict(SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
 
 
-def make_checkpoint(path: Path, seed: int = 0):
+def make_checkpoint(path: Path, seed: int = 0, shape=SHAPE, device="cuda"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    with torch.device("cuda"): hf = Qwen2ForCausalLM(Qwen2Config(**SHAPE))
+    with torch.device(device): hf = Qwen2ForCausalLM(Qwen2Config(**shape))
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if n.endswith("bias"): p.normal_(0, 0.02)
     hf.to(torch.bfloat16).save_pretrained(path)
-    del hf; torch.cuda.empty_cache()
+    del hf
+    if device == "cuda": torch.cuda.empty_cache()
 
 
-def lognormal_requests(n, seed, prompt_median=256, out_median=128, sigma=0.8, cap=512):
+def lognormal_requests(n, seed, prompt_median=256, out_median=128, sigma=0.8, cap=512, vocab_size=SHAPE["vocab_size"]):
     g = torch.Generator().manual_seed(seed)
     def draw(median): return int(min(cap, max(1, round(math.exp(math.log(median) + sigma * torch.randn(1, generator=g).item())))))
-    return [dict(prompt_token_ids=torch.randint(0, SHAPE["vocab_size"], (draw(prompt_median),), generator=g).tolist(),
+    return [dict(prompt_token_ids=torch.randint(0, vocab_size, (draw(prompt_median),), generator=g).tolist(),
                  max_tokens=draw(out_median)) for _ in range(n)]
 
 
@@ -58,20 +65,22 @@ def summary(results, wall=None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
+    ap = parser(__doc__)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--batch-sizes", default="16,64")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     args = ap.parse_args()
-    res = {"meta": meta_info(), "shape": "0.5B", "n_requests": args.n}
+    dev, smoke = device_or_skip(args), is_smoke(args)
+    if smoke: args.n, args.batch_sizes, args.warmup_s = 6, "4", 0.0
+    shape = SMOKE_SHAPE if smoke else SHAPE
+    res = {"meta": run_meta(), "shape": "tiny" if smoke else "0.5B", "n_requests": args.n}
     d = Path(tempfile.mkdtemp()) / "qwen2-0.5b-random"
-    make_checkpoint(d)
+    make_checkpoint(d, shape=shape, device=dev.type)
 
     # 1. fp32 correctness
     t = time.perf_counter()
-    m32 = load_hf_model(d, "cuda", "float32")
-    short = lognormal_requests(6, seed=1, prompt_median=24, out_median=12, cap=48)
+    m32 = load_hf_model(d, dev.type, "float32")
+    short = lognormal_requests(6, seed=1, prompt_median=24, out_median=12, cap=48, vocab_size=shape["vocab_size"])
     want = [oracle_greedy(m32, r["prompt_token_ids"], r["max_tokens"]) for r in short]
     st = run_hf_static(m32, short, 4)
     cb = run_hf_continuous(m32, short)
@@ -82,12 +91,14 @@ def main():
                                              for q, rs in zip(short, (st, cb)) for r in rs),
                          "attn_after": m32.config._attn_implementation, "seconds": time.perf_counter() - t}
     print("fp32 check", res["fp32_check"], flush=True)
-    save(res, args.out)
-    del m32; torch.cuda.empty_cache()
+    write("yardsticks_h200.json", res, args)
+    del m32
+    if dev.type == "cuda": torch.cuda.empty_cache()
 
     # 2. bf16 timings
-    model = load_hf_model(d, "cuda", "bfloat16")
-    reqs = lognormal_requests(args.n, seed=0)
+    model = load_hf_model(d, dev.type, "float32" if smoke else "bfloat16")
+    reqs = lognormal_requests(args.n, seed=0, **(dict(prompt_median=16, out_median=8, cap=32) if smoke else {}),
+                              vocab_size=shape["vocab_size"])
     res["requests"] = {"prompt_tokens": sum(len(r["prompt_token_ids"]) for r in reqs),
                        "max_tokens": sum(r["max_tokens"] for r in reqs),
                        "longest_prompt": max(len(r["prompt_token_ids"]) for r in reqs),
@@ -108,13 +119,8 @@ def main():
         rows.append({"runner": kind, "batch_size": bs, "runs": sums,
                      "disagree": abs(tps[0] - tps[1]) / max(tps) > 0.15})
         res["timings"] = rows
-        save(res, args.out)                 # after every row: a run cut short still leaves what it measured
+        write("yardsticks_h200.json", res, args)   # after every row: a run cut short still leaves what it measured
     print("done")
-
-
-def save(res, out):
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    (out / "yardsticks_h200.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
