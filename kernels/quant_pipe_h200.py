@@ -1,15 +1,14 @@
-"""The one-row INT4 GEMV's loads in flight (issue 9): does hiding its load latency close the gap to the copy speed?
+"""The one-row INT4 GEMV's loads in flight: does hiding its load latency close the gap to the copy speed?
 
 Run on the device machine from the repo root:
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_pipe_h200.py --out $OUT [--parts pipe,package,narrow,perm]
-Writes quant_pipe_h200.json (raw numbers, git sha, GPU, versions, date) to --out after every projection.
+    PYTHONPATH=. python kernels/quant_pipe_h200.py --out $OUT [--parts pipe,package,narrow,perm]
+Writes quant_pipe_h200.json (run metadata inside) after every projection.
 
-Parts: pipe, the lab kernel's load placements (and, from git 024c1e2, the tiled layout: TILED, SG) against the
-shipped kernel; package and narrow, the package's own `quant_gemv` on `tile_int4`'s layout swept over blocks,
+Parts: pipe, the lab kernel's load placements (and the tiled layout: TILED, SG) against the shipped kernel; package and narrow, the package's own `quant_gemv` on `tile_int4`'s layout swept over blocks,
 warps, splits (and register caps), per 7B projection and the 7B LM head; perm, the lab kernel on the package's
 final layout (PERM: its nibble order), its loop against Triton's pipeline.
 
-The shipped INT4 words path (`ZPAIR` + `SHIFT`: nibbles and activations in packed bf16 pairs, the zero point
+The shipped INT4 words path (`HALF2` + `SHIFT`: nibbles and activations in packed bf16 pairs, the zero point
 inside the pairs) prefetches the next group's weight words, but loads each group's scales, zero points and
 activations in the iteration that uses them, and its zero points reach the words' layout through shared memory
 (two barriers a trip). Nsight Compute found its warps waiting on loads, 1.1 eligible a scheduler. `pipe_int4_kernel`
@@ -23,26 +22,79 @@ keeps the arithmetic and changes where the loads are:
   byte load, no shift and no or in the loop; SG: scales and zero points stored [groups, N] (a program's channels
   contiguous: one coalesced load a group) instead of [N, groups].
 
-Each variant is checked against `quant_matmul_ref` and timed by `graphs_h200.graph_bench` against the shipped
-kernel (`quant_matmul`, the package's table, PDL on) in the same run.
+Each variant is checked against `quant_matmul_ref` (2%, asserted) and timed by `graph_bench` against the shipped
+kernel (`quant_matmul`, the package's table, PDL on) in the same run; the package's own kernel is swept through
+`config=` per call. `--smoke`: each part on one tiny layer, a candidate or two, on the CPU under the interpreter.
 """
-import json, os, sys, time
+import sys, time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import device_or_skip, is_smoke, parser, run_parts, sync, time_cuda, write
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).parent))
-import graphs_h200 as G                                      # noqa: E402
-from diet_h200 import layer_shapes                           # noqa: E402
-from quant_lab_h200 import layer_case                        # noqa: E402
-from nanoserve.attention import launch_options, pdl_launch_next, pdl_wait, split_counters   # noqa: E402
-from nanoserve.fused import _sum_last, finish_split, split_tiles                           # noqa: E402
-from nanoserve.quant import (NIBBLES, PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, _x_words, pack_int4,  # noqa: E402
-                             quant_gemv, quant_matmul, unpack_int4)
+from nanoserve.model import SHAPES
+from nanoserve.quant import (NIBBLES, PAIRS_ASM_SHIFT, TUNED_GEMV, _pairs_emulated, _x_pairs, _x_words, gemv_tile,
+                             pack_int4, quant_gemv, quant_matmul, quant_matmul_ref, quantize_int4, tile_int4,
+                             unpack_int4)
+from nanoserve.runtime import (finish_split, launch_options, pdl_launch_next, pdl_wait, split_counters, split_tiles,
+                               sum_last)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # the CPU under --smoke (lab hides GPUs)
+EMULATE = DEVICE.type != "cuda"           # the interpreter runs the package's stand-in for the packed pairs' PTX
+TINY = [("down_proj", 256, 1024, False)]                                 # --smoke's layer
+SMOKE_SHIPPED = {"BLOCK_N": 64, "num_warps": 4, "SPLIT_K": 2}            # a stand-in table entry for it
+
+
+def layer_shapes(smoke: bool):
+    "(name, N out, K in, has bias) of a 7B decoder layer's linear layers (a tiny one under --smoke)."
+    if smoke: return TINY
+    c = SHAPES["7B"]
+    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
+            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
+
+
+def copies_for(size: int) -> int:
+    "Operand copies that make a timed pass read >= 256 MB on a GPU (five times L2: no call finds its weights cached)."
+    return max(1, min(32, -(-(256 << 20) // max(size, 1)))) if DEVICE.type == "cuda" else 1
+
+
+def graph_bench(make_call, size: int) -> list[float]:
+    """us per call of `make_call(i)()` over `copies_for(size)` operand copies, as a decode step sees it: on a GPU the
+    calls captured in one CUDA graph, replayed ten times a pass, one value per pass (two); on a CPU, one call."""
+    n = copies_for(size)
+    calls = [make_call(i) for i in range(n)]
+    for c in calls: c()                               # compile, pick algorithms, make the split counters
+    if DEVICE.type != "cuda": return [t * 1e6 for t in time_cuda(calls[0], reps=1, warmup=0, device=DEVICE)]
+    sync(DEVICE)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls: c()
+    g.replay(); sync(DEVICE)
+    return [t * 1e6 / (10 * n) for t in time_cuda(lambda: [g.replay() for _ in range(10)], reps=2, warmup=0,
+                                                   device=DEVICE)]
+
+
+def layer_case(N: int, K: int):
+    """One INT4 projection at one row: bf16 weight, input, its quantized form (groups of 128), its bytes, copies for
+    graph_bench, and the fp32 reference output."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.02
+    x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    q = quantize_int4(w, 128)
+    qb = q[0].numel() + q[1].numel() * 4 + q[2].numel()
+    qs = [q] + [tuple(t.clone() for t in q) for _ in range(copies_for(qb) - 1)]
+    return w, x, q, qb, qs, quant_matmul_ref(x.float(), *q, None, "int4", 128)
+
+
+def checked(err, what) -> None:
+    "A kernel more than 2% off the reference fails the run."
+    assert err < 0.02, (what, err)
 
 
 @triton.jit
@@ -137,7 +189,7 @@ def pipe_int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counter_ptr,
             zp = _zpair(zq + t * stride_sg, ZFMT)
             total += _group_dot(x_ptr, t, words, s, zp, ASM, GROUP, EMULATE, p0, p1, p2, p3, False, PERM)
     pdl_launch_next(PDL)                      # late: the next kernel's programs would hold SM slots
-    acc = _sum_last(total, 1)[None, :]                                        # [1, BLOCK_N]
+    acc = sum_last(total, 1)[None, :]                                        # [1, BLOCK_N]
     finish_split(acc, out_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, N, pid_n, pid_k,
                  tl.num_programs(1), False, SPLIT)
 
@@ -173,7 +225,7 @@ def pipe_int4(x, words, scales, zp, N: int, cfg: dict, pdl: bool, group: int = 1
         x, words, scales, zp, out, part, counters, N, K, per, *strides, stride_sn, stride_sg,
         BLOCK_N=cfg["BLOCK_N"], GROUP=group, SPLIT=split > 1, ASM=PAIRS_ASM_SHIFT, MODE=cfg.get("MODE", 0),
         STAGES=cfg.get("STAGES", 1), DEPTH=cfg.get("DEPTH", 1), XPF=cfg.get("XPF", False), ZFMT=cfg.get("ZFMT", 0),
-        PDL=pdl, EMULATE=INTERPRET, PERM=cfg.get("PERM", False), num_warps=cfg["num_warps"], num_stages=1,
+        PDL=pdl, EMULATE=EMULATE, PERM=cfg.get("PERM", False), num_warps=cfg["num_warps"], num_stages=1,
         **launch_options(pdl),
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}))
     return out
@@ -224,24 +276,27 @@ def near_cands(best: dict):
     return out
 
 
-def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0),
-                                                ("o_proj", 60.0)), cands_of=None, key="pipe", near=True):
+PIPE_BUDGETS = (("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0), ("o_proj", 60.0))
+
+
+def pipe_sweep(res, smoke: bool, save=lambda: None, cands_of=None, key="pipe", near=True):
     "Per 7B projection: the shipped kernel, then the candidates (PDL on), within each projection's budget."
-    from nanoserve.quant import GEMV_OVERRIDES, gemv_tile, tile_int4
     rows = res.setdefault(key, [])
-    shapes = {name: (N, K) for name, N, K, _, _ in layer_shapes("7B")}
-    for name, budget_s in budgets:
+    shapes = {name: (N, K) for name, N, K, _ in layer_shapes(smoke)}
+    pdl = DEVICE.type == "cuda"
+    for name, budget_s in [(n, 0.0) for n in shapes] if smoke else PIPE_BUDGETS:
         N, K = shapes[name]
         t0 = time.perf_counter()
-        w, b, x, q, qb, qs, ref = layer_case("int4", N, K, False)
-        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": GEMV_OVERRIDES.get(("int4", N, K)),
-               "shipped_us": G.graph_bench(
-                   lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=True)), qb), "trials": []}
+        w, x, q, qb, qs, ref = layer_case(N, K)
+        shipped = SMOKE_SHIPPED if smoke else TUNED_GEMV.get(("int4", N, K))
+        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
+               "shipped_us": graph_bench(
+                   lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=pdl)), qb), "trials": []}
         tile = gemv_tile(N, K, 128)
         if tile:                                  # the package as it ships: its layout and table
             shipped_ops = [tile_int4(*c, 128, tile) for c in qs]
-            row["package_us"] = G.graph_bench(
-                lambda i: (lambda: quant_matmul(x, *shipped_ops[i], None, "int4", 128, pdl=True)), qb)
+            row["package_us"] = graph_bench(
+                lambda i: (lambda: quant_matmul(x, *shipped_ops[i], None, "int4", 128, pdl=pdl)), qb)
             del shipped_ops
         ops = {}
 
@@ -250,22 +305,23 @@ def pipe_sweep(res, save=lambda: None, budgets=(("gate_up_proj", 150.0), ("down_
                    cfg.get("PERM", False))
             if key not in ops: ops[key] = [pipe_operands(*c, *key) for c in qs]
             try:
-                y = pipe_int4(x, *ops[key][0], N, cfg, True).float()
+                y = pipe_int4(x, *ops[key][0], N, cfg, pdl).float()
                 err = ((y - ref).abs().max() / ref.abs().max()).item()
-                us = G.graph_bench(lambda i: (lambda: pipe_int4(x, *ops[key][i], N, cfg, True)), qb)
+                us = graph_bench(lambda i: (lambda: pipe_int4(x, *ops[key][i], N, cfg, pdl)), qb)
             except Exception as e:                                  # a config that does not compile
                 row["trials"].append({**cfg, "error": repr(e)[:300]}); print(name, cfg, repr(e)[:300]); return
             r = {**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
             row["trials"].append(r)
             print("pipe", name, round(min(row["shipped_us"]), 2), r, flush=True)
+            checked(err, (name, cfg))
 
-        for cfg in (cands_of or pipe_cands)(N, K, row["shipped"]):
-            if time.perf_counter() - t0 > budget_s: break
+        for i, cfg in enumerate((cands_of or pipe_cands)(N, K, row["shipped"])):
+            if (smoke and i >= 2) or (not smoke and time.perf_counter() - t0 > budget_s): break
             trial(cfg)
         ok = [r for r in row["trials"] if "us" in r]
         best = min(ok, key=lambda r: r["best_us"])
         around = {k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}
-        for cfg in near_cands(around) if near else ():
+        for cfg in (near_cands(around)[:1] if smoke else near_cands(around)) if near else ():
             trial(cfg)
         ok = [r for r in row["trials"] if "us" in r]
         row["best"] = min(ok, key=lambda r: r["best_us"])
@@ -291,18 +347,18 @@ def narrow_cands(N, K):
     return [{"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk} for bn in (32, 16) for nw in (2, 1) for sk in sks]
 
 
-def package_sweep(res, save=lambda: None, budget_s: float = 60.0, cands_of=package_cands, key="package"):
+def package_sweep(res, smoke: bool, save=lambda: None, budget_s: float = 60.0, cands_of=package_cands, key="package"):
     """The package's one-row INT4 GEMV (`quant_gemv`) on weights in `tile_int4`'s layout, over blocks (each with
     tiles of its own width), warps, splits and register caps, per 7B projection and the 7B LM head; the row-major
     layout at the shipped configuration as the control, and the package's choice (`quant_matmul` on what
     `QuantLinear` would store) in the same run."""
-    from nanoserve.quant import GEMV_OVERRIDES, gemv_tile, tile_int4
     rows = res.setdefault(key, [])
-    shapes = [(name, N, K) for name, N, K, _, _ in layer_shapes("7B")] + [("lm_head", 152064, 3584)]
+    shapes = [(name, N, K) for name, N, K, _ in layer_shapes(smoke)] + ([] if smoke else [("lm_head", 152064, 3584)])
+    pdl = DEVICE.type == "cuda"
     for name, N, K in shapes:
         t0 = time.perf_counter()
-        w, b, x, q, qb, qs, ref = layer_case("int4", N, K, False)
-        ship = dict(GEMV_OVERRIDES.get(("int4", N, K), {}))
+        w, x, q, qb, qs, ref = layer_case(N, K)
+        ship = dict(TUNED_GEMV.get(("int4", N, K), {}))
         tile = gemv_tile(N, K, 128)
         tiled = {}
 
@@ -311,21 +367,23 @@ def package_sweep(res, save=lambda: None, budget_s: float = 60.0, cands_of=packa
             return tiled[t]
 
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": ship, "tile": tile, "trials": [],
-               "rows_us": G.graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], None, "int4", 128, pdl=True)), qb)}
+               "rows_us": graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], None, "int4", 128, pdl=pdl)), qb)}
         if tile:
-            row["package_us"] = G.graph_bench(
-                lambda i: (lambda: quant_matmul(x, *layout(tile)[i], None, "int4", 128, pdl=True)), qb)
-        for cfg in cands_of(N, K):
-            if time.perf_counter() - t0 > budget_s: break
+            row["package_us"] = graph_bench(
+                lambda i: (lambda: quant_matmul(x, *layout(tile)[i], None, "int4", 128, pdl=pdl)), qb)
+        cands = [c for c in cands_of(N, K) if N % c["BLOCK_N"] == 0]
+        for cfg in cands[:2] if smoke else cands:
+            if not smoke and time.perf_counter() - t0 > budget_s: break
             ops = layout(cfg["BLOCK_N"])
             try:
-                y = quant_gemv(x, *ops[0], None, "int4", 128, config=cfg, pdl=True).float()
+                y = quant_gemv(x, *ops[0], None, "int4", 128, config=cfg, pdl=pdl).float()
                 err = ((y - ref).abs().max() / ref.abs().max()).item()
-                us = G.graph_bench(lambda i: (lambda: quant_gemv(x, *ops[i], None, "int4", 128, config=cfg, pdl=True)),
-                                   qb)
+                us = graph_bench(lambda i: (lambda: quant_gemv(x, *ops[i], None, "int4", 128, config=cfg, pdl=pdl)),
+                                 qb)
             except Exception as e:
                 row["trials"].append({**cfg, "error": repr(e)[:300]}); print(name, cfg, repr(e)[:300]); continue
             row["trials"].append({**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3})
+            checked(err, (name, cfg))
         ok = [r for r in row["trials"] if "us" in r]
         row["best"] = min(ok, key=lambda r: r["best_us"])
         row["worst_rel_err"] = max(r["rel_err"] for r in ok)
@@ -337,12 +395,19 @@ def package_sweep(res, save=lambda: None, budget_s: float = 60.0, cands_of=packa
 
 
 def main():
-    args, res, out = G.script_args("quant_pipe_h200", "pipe")
-    save = lambda: out.write_text(json.dumps(res, indent=1))
-    G.run_parts({"pipe": lambda: pipe_sweep(res, save), "package": lambda: package_sweep(res, save),
-                 "narrow": lambda: package_sweep(res, save, cands_of=narrow_cands, key="narrow"),
-                 "perm": lambda: pipe_sweep(res, save, cands_of=perm_cands, key="perm", near=False)}, args.parts, res,
-                out)
+    args = parser(__doc__, parts="pipe").parse_args()
+    device_or_skip(args)
+    smoke = is_smoke(args)
+    res = {"timer": "graph_bench (us per call, two passes)"}
+    save = lambda: write("quant_pipe_h200.json", res, args)
+    parts = {"pipe": lambda: pipe_sweep(res, smoke, save), "package": lambda: package_sweep(res, smoke, save),
+             "narrow": lambda: package_sweep(res, smoke, save, cands_of=narrow_cands, key="narrow"),
+             "perm": lambda: pipe_sweep(res, smoke, save, cands_of=perm_cands, key="perm", near=False)}
+    def after(name, err):
+        if err: res[f"{name}_error"] = err
+        save()
+    run_parts(parts, ",".join(parts) if smoke else args.parts, after)
+    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
 
 
 if __name__ == "__main__":
