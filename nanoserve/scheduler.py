@@ -16,8 +16,11 @@ from pathlib import Path
 from .block_manager import BlockManager, CacheConfig
 
 # %% auto #0
-__all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'ScheduledSeq', 'Step', 'Trace', 'Scheduler', 'FakeModel', 'Request',
-           'lognormal_workload', 'SimResult', 'simulate', 'replay']
+__all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'ScheduledSeq', 'Step', 'Trace', 'check_new_request',
+           'check_request_fits', 'seq_chunk', 'decode_chunk', 'SchedulerQueues', 'SchedulerMoves', 'schedule_decodes',
+           'schedule_prefills', 'admit_waiting', 'advance_seqs', 'resolve_seqs', 'check_queues', 'check_sequences',
+           'Scheduler', 'write_fake_kv', 'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult',
+           'feed_requests', 'simulate', 'replay']
 
 # %% ../nbs/01_scheduler.ipynb #51df287c
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class SequenceStatus(Enum):
     RUNNING = "running"
     FINISHED = "finished"
 
-
+# %% ../nbs/01_scheduler.ipynb #d8b51315
 @dataclass(eq=False)
 class Sequence:
     "One request: its tokens, progress through the KV cache, limits and per-request counters."
@@ -113,7 +116,7 @@ class ScheduledSeq:
     @property
     def positions(self) -> list[int]: return list(range(self.start_pos, self.context_len))
 
-
+# %% ../nbs/01_scheduler.ipynb #32d5daa2
 @dataclass
 class Step:
     "One scheduling decision: what the model computes now."
@@ -150,9 +153,48 @@ class Trace:
         return t
     def of(self, event: str) -> list[dict]: return [e for e in self.events if e["event"] == event]
 
-# %% ../nbs/01_scheduler.ipynb #21acd382
-class Scheduler:
-    "Continuous (or static) batching over a paged KV cache; emits one `Step` at a time."
+# %% ../nbs/01_scheduler.ipynb #63b37fd6
+def check_new_request(seq: Sequence, in_use) -> None:
+    "Raise `ValueError` unless `seq` is a new request with an unused id, a prompt and a positive `max_tokens`."
+    if seq.seq_id in in_use: raise ValueError(f"sequence id {seq.seq_id} is already in use")
+    if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.num_computed_tokens:
+        raise ValueError(f"sequence {seq.seq_id} is not new")
+    if seq.num_prompt_tokens == 0: raise ValueError("the prompt is empty")
+    if not isinstance(seq.max_tokens, int) or seq.max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {seq.max_tokens!r}")
+
+# %% ../nbs/01_scheduler.ipynb #f7988dad
+def check_request_fits(seq: Sequence, config: SchedulerConfig, bm: BlockManager) -> None:
+    "Raise `ValueError` unless `seq` could run to its last token alone: within the context and the whole pool."
+    total = seq.num_prompt_tokens + seq.max_tokens
+    if total > config.max_model_len:
+        raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
+                         f"exceeds the model's context of {config.max_model_len} tokens")
+    if bm.num_blocks_for(total) > bm.num_blocks:
+        raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) needs "
+                         f"{bm.num_blocks_for(total)} KV blocks but the whole cache has {bm.num_blocks}")
+
+# %% ../nbs/01_scheduler.ipynb #45b5ce26
+def seq_chunk(bm: BlockManager, seq: Sequence, n: int, is_decode: bool = False) -> ScheduledSeq:
+    "The next `n` uncomputed tokens of `seq`: their ids, positions, block table and cache slots."
+    start = seq.num_computed_tokens
+    table = bm.block_table(seq.seq_id)
+    return ScheduledSeq(seq.seq_id, seq.token_ids_slice(start, start + n), start, list(table),
+                        bm.slot_mapping(seq.seq_id, start, start + n),
+                        sample=start + n == seq.num_tokens, is_decode=is_decode)
+
+# %% ../nbs/01_scheduler.ipynb #60baf70c
+def decode_chunk(bm: BlockManager, seq: Sequence, num_tokens: int) -> ScheduledSeq:
+    "`seq_chunk(bm, seq, 1, is_decode=True)` for a sequence of `num_tokens` tokens, without its general slicing."
+    pos, bs = num_tokens - 1, bm.block_size
+    table = bm.block_table(seq.seq_id)
+    last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+    return ScheduledSeq(seq.seq_id, [last], pos, list(table), [table[pos // bs] * bs + pos % bs], sample=True,
+                        is_decode=True, block_table_bytes=bm.block_table_bytes(seq.seq_id))
+
+# %% ../nbs/01_scheduler.ipynb #2d2ae50d
+class SchedulerQueues:
+    "Requests in and out: the waiting queue, the running batch in admission order, and every request's end."
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, trace: Trace | None = None):
         self.config, self.block_manager, self.trace = config, block_manager, trace
@@ -169,11 +211,11 @@ class Scheduler:
     def _record(self, event: str, **fields) -> None:
         if self.trace is not None: self.trace.record(event, self.num_steps, **fields)
 
-    # -- requests in -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         "Queue `seq`, or raise `ValueError` at once if it could never run."
         try:
-            self._validate(seq)
+            check_new_request(seq, self.seqs)
+            check_request_fits(seq, self.config, self.block_manager)
         except ValueError as e:
             self._record("reject", seq=seq.seq_id, reason=str(e))
             raise
@@ -181,21 +223,6 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
         self._record("arrive", seq=seq.seq_id, prompt=seq.num_prompt_tokens, max_tokens=seq.max_tokens)
-
-    def _validate(self, seq: Sequence) -> None:
-        if seq.seq_id in self.seqs: raise ValueError(f"sequence id {seq.seq_id} is already in use")
-        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} is not new")
-        if seq.num_prompt_tokens == 0: raise ValueError("the prompt is empty")
-        if not isinstance(seq.max_tokens, int) or seq.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {seq.max_tokens!r}")
-        total, cfg, bm = seq.num_prompt_tokens + seq.max_tokens, self.config, self.block_manager
-        if total > cfg.max_model_len:
-            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
-                             f"exceeds the model's context of {cfg.max_model_len} tokens")
-        if bm.num_blocks_for(total) > bm.num_blocks:
-            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) needs "
-                             f"{bm.num_blocks_for(total)} KV blocks but the whole cache has {bm.num_blocks}")
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         "End `seq_id` in any state and free its blocks now; returns it, or None if unknown or already done."
@@ -209,90 +236,19 @@ class Scheduler:
         self._finish(seq, reason)
         return seq
 
-    # -- state -------------------------------------------------------------------------------------------
     @property
     def num_unfinished(self) -> int: return len(self.seqs)
     def has_unfinished(self) -> bool: return bool(self.seqs)
 
-    # -- scheduling --------------------------------------------------------------------------------------
-    def schedule(self) -> Step:
-        "Decide the next step. Raises if the previous step was not `update`d."
-        if self._pending_step is not None: raise RuntimeError("update() the previous step before scheduling another")
-        cfg, bm = self.config, self.block_manager
-        bs = bm.block_size
-        budget, scheduled, preempted = cfg.max_num_batched_tokens, [], []
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason, seq.finish_step = SequenceStatus.FINISHED, reason, self.num_steps
+        del self.seqs[seq.seq_id]
+        self._record("finish", seq=seq.seq_id, reason=reason, output=len(seq.output_token_ids),
+                     preemptions=seq.num_preemptions, recomputed=seq.num_recomputed_tokens)
 
-        # 1. running decodes, oldest first; make room by preempting the youngest
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_tokens = seq.num_tokens
-            if num_tokens - seq.num_computed_tokens == 1:
-                if num_tokens > len(bm.block_table(seq.seq_id)) * bs:   # its last block is full: it needs one more
-                    while not bm.can_append(seq.seq_id, num_tokens):
-                        victim = self.running[-1]
-                        self._preempt(victim, for_seq=seq.seq_id)
-                        preempted.append(victim.seq_id)
-                        if victim is seq: break
-                    if seq.status is not SequenceStatus.RUNNING: break   # it was the youngest: nothing after it
-                    bm.append_slots(seq.seq_id, num_tokens)
-                scheduled.append(self._decode_chunk(seq, num_tokens)); budget -= 1
-            i += 1
-
-        # 2. running sequences still in prefill, oldest first
-        in_step = {s.seq_id for s in scheduled} if len(scheduled) < len(self.running) else None
-        for seq in (self.running if in_step is not None else ()):   # (every running sequence decodes: none)
-            if budget == 0: break
-            if seq.num_uncomputed_tokens > 1 and seq.seq_id not in in_step:
-                n = min(seq.num_uncomputed_tokens, budget)
-                if n < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill: continue   # whole or not at all
-                scheduled.append(self._chunk(seq, n)); budget -= n
-
-        # 3. admit from the head of the queue
-        if cfg.policy == "static" and self.running and self.waiting:
-            self._record("wait", seq=self.waiting[0].seq_id, reason="static_batch")
-        elif preempted and self.waiting:
-            self._record("wait", seq=self.waiting[0].seq_id, reason="preempted")
-        else:
-            static = cfg.policy == "static"
-            while self.waiting:
-                seq, reason = self.waiting[0], None
-                if len(self.running) >= cfg.batch_limit: reason = "max_num_seqs"
-                elif budget == 0 and not static: reason = "budget"
-                elif not cfg.enable_chunked_prefill and seq.num_tokens > budget: reason = "budget"
-                elif not bm.can_allocate(seq.all_token_ids, watermark=bool(self.running)): reason = "blocks"
-                if reason:
-                    self._record("wait", seq=seq.seq_id, reason=reason); break
-                self.waiting.popleft()
-                self._admit(seq)
-                n = min(seq.num_uncomputed_tokens, budget)
-                if n: scheduled.append(self._chunk(seq, n)); budget -= n
-
-        if not scheduled and (self.running or self.waiting):
-            raise RuntimeError(f"scheduler made no progress: running {len(self.running)}, waiting "
-                               f"{len(self.waiting)}, free blocks {bm.num_free_blocks} (this is a bug)")
-        step = Step(self.num_steps, scheduled, preempted)
-        if self.trace is not None:
-            self._record("step", decode=[s.seq_id for s in scheduled if s.is_decode],
-                         prefill=[[s.seq_id, s.start_pos, s.num_tokens] for s in scheduled if not s.is_decode],
-                         num_tokens=step.num_tokens, free_blocks=bm.num_free_blocks)
-        self._pending_step = step
-        return step
-
-    def _chunk(self, seq: Sequence, n: int, is_decode: bool = False) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        table = self.block_manager.block_table(seq.seq_id)
-        return ScheduledSeq(seq.seq_id, seq.token_ids_slice(start, start + n), start, list(table),
-                            self.block_manager.slot_mapping(seq.seq_id, start, start + n),
-                            sample=start + n == seq.num_tokens, is_decode=is_decode)
-
-    def _decode_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
-        "`_chunk(seq, 1, is_decode=True)` for a sequence of `num_tokens` tokens, without its general slicing."
-        pos, bs = num_tokens - 1, self.block_manager.block_size
-        table = self.block_manager.block_table(seq.seq_id)
-        last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-        return ScheduledSeq(seq.seq_id, [last], pos, list(table), [table[pos // bs] * bs + pos % bs], sample=True,
-                            is_decode=True, block_table_bytes=self.block_manager.block_table_bytes(seq.seq_id))
+# %% ../nbs/01_scheduler.ipynb #3020f908
+class SchedulerMoves(SchedulerQueues):
+    "A request's moves between the queues: admitted (waiting to running), preempted (running back to waiting)."
 
     def _admit(self, seq: Sequence) -> None:
         num_cached = self.block_manager.allocate(seq.seq_id, seq.all_token_ids)
@@ -312,13 +268,162 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._record("preempt", seq=seq.seq_id, for_seq=for_seq, computed=seq.max_computed_tokens)
 
+# %% ../nbs/01_scheduler.ipynb #d49ab6f9
+def schedule_decodes(sched: SchedulerMoves, scheduled: list, preempted: list, budget: int) -> int:
+    """Pass 1: one token for each running decode, oldest first; where a decode needs a block and none is free,
+    preempt the youngest running sequence (possibly itself) until it fits. Returns the budget left."""
+    bm = sched.block_manager
+    bs = bm.block_size
+    i = 0
+    while i < len(sched.running) and budget > 0:
+        seq = sched.running[i]
+        num_tokens = seq.num_tokens
+        if num_tokens - seq.num_computed_tokens == 1:
+            if num_tokens > len(bm.block_table(seq.seq_id)) * bs:   # its last block is full: it needs one more
+                while not bm.can_append(seq.seq_id, num_tokens):
+                    victim = sched.running[-1]
+                    sched._preempt(victim, for_seq=seq.seq_id)
+                    preempted.append(victim.seq_id)
+                    if victim is seq: break
+                if seq.status is not SequenceStatus.RUNNING: break   # it was the youngest: nothing after it
+                bm.append_slots(seq.seq_id, num_tokens)
+            scheduled.append(decode_chunk(bm, seq, num_tokens)); budget -= 1
+        i += 1
+    return budget
+
+# %% ../nbs/01_scheduler.ipynb #358650dd
+def schedule_prefills(sched: SchedulerMoves, scheduled: list, budget: int) -> int:
+    "Pass 2: the next chunk of each running sequence still in prefill, oldest first; returns the budget left."
+    cfg = sched.config
+    in_step = {s.seq_id for s in scheduled} if len(scheduled) < len(sched.running) else None
+    for seq in (sched.running if in_step is not None else ()):   # (every running sequence decodes: none)
+        if budget == 0: break
+        if seq.num_uncomputed_tokens > 1 and seq.seq_id not in in_step:
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and not cfg.enable_chunked_prefill: continue   # whole or not at all
+            scheduled.append(seq_chunk(sched.block_manager, seq, n)); budget -= n
+    return budget
+
+# %% ../nbs/01_scheduler.ipynb #fa3fd10a
+def admit_waiting(sched: SchedulerMoves, scheduled: list, preempted: list, budget: int) -> None:
+    """Pass 3: admit from the head of the waiting queue while the batch limit, the budget and the blocks allow,
+    each with its first chunk in this step; nobody in a step that preempted, or beside a running static batch."""
+    cfg, bm = sched.config, sched.block_manager
+    if cfg.policy == "static" and sched.running and sched.waiting:
+        sched._record("wait", seq=sched.waiting[0].seq_id, reason="static_batch")
+    elif preempted and sched.waiting:
+        sched._record("wait", seq=sched.waiting[0].seq_id, reason="preempted")
+    else:
+        static = cfg.policy == "static"
+        while sched.waiting:
+            seq, reason = sched.waiting[0], None
+            if len(sched.running) >= cfg.batch_limit: reason = "max_num_seqs"
+            elif budget == 0 and not static: reason = "budget"
+            elif not cfg.enable_chunked_prefill and seq.num_tokens > budget: reason = "budget"
+            elif not bm.can_allocate(seq.all_token_ids, watermark=bool(sched.running)): reason = "blocks"
+            if reason:
+                sched._record("wait", seq=seq.seq_id, reason=reason); break
+            sched.waiting.popleft()
+            sched._admit(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n: scheduled.append(seq_chunk(bm, seq, n)); budget -= n
+
+# %% ../nbs/01_scheduler.ipynb #e2aaf115
+def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
+    """What a launched `step` computes, before its sampled tokens are known: computed counts move on, full blocks
+    are named, the j-th sampled sequence gets the placeholder `-(1 + j)`, and one at `max_tokens` leaves now."""
+    sched._advanced = advanced = []     # (the loop runs for every sequence of every step: names held locally)
+    sched.num_steps += 1
+    bs, get_seq, running = sched.block_manager.block_size, sched.seqs.get, SequenceStatus.RUNNING
+    for s in step.seqs:
+        if s.sample: advanced.append(None)
+        seq = get_seq(s.seq_id)
+        if seq is None or seq.status is not running: continue   # aborted or stopped meanwhile
+        n, computed = len(s.token_ids), seq.num_computed_tokens
+        if s.start_pos < seq.max_computed_tokens:   # computed before a preemption: this is recompute
+            seq.num_recomputed_tokens += min(s.start_pos + n, seq.max_computed_tokens) - s.start_pos
+        if (computed + n) // bs > computed // bs:   # a block filled up
+            sched.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, computed + n)
+        seq.num_computed_tokens = computed = computed + n
+        if computed > seq.max_computed_tokens: seq.max_computed_tokens = computed
+        if not s.sample: continue
+        seq.output_token_ids.append(-len(advanced))   # the placeholder -(1 + j) of the j-th sampled sequence
+        advanced[-1] = seq
+        if len(seq.output_token_ids) >= seq.max_tokens:                  # done, whatever the token is
+            sched.running.remove(seq)
+            sched.block_manager.free(seq.seq_id)
+            sched.finishing.append(seq)
+
+# %% ../nbs/01_scheduler.ipynb #c196dd0f
+def resolve_seqs(sched: SchedulerMoves, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
+    "Put the in-flight `step`'s sampled tokens in place of its placeholders; returns the sequences that finished."
+    finished = []
+    for s, seq, token in zip((s for s in step.seqs if s.sample), sched._advanced, sampled_token_ids):
+        if seq is None or seq.status is SequenceStatus.FINISHED: continue   # aborted (or stopped) meanwhile
+        k = s.context_len - seq.num_prompt_tokens                         # where its placeholder went
+        seq.output_token_ids[k] = token
+        if seq.first_token_step is None: seq.first_token_step = step.step_id + 1
+        if token in seq.stop_token_ids: reason = "stop"
+        elif seq in sched.finishing: reason = "length"
+        else: continue
+        del seq.output_token_ids[k + 1:]              # a placeholder of a step launched after this one
+        if seq in sched.finishing: sched.finishing.remove(seq)
+        elif seq.status is SequenceStatus.WAITING: sched.waiting.remove(seq)   # preempted meanwhile
+        else:
+            sched.running.remove(seq)
+            sched.block_manager.free(seq.seq_id)
+        sched._finish(seq, reason)
+        finished.append(seq)
+    return finished
+
+# %% ../nbs/01_scheduler.ipynb #5a027f91
+def check_queues(sched: SchedulerMoves) -> None:
+    "Assert every unfinished request is in exactly one of waiting, running and finishing, within the batch limit."
+    assert len(sched.running) <= sched.config.batch_limit
+    assert {s.seq_id for s in sched.running} | {s.seq_id for s in sched.waiting} | {s.seq_id for s in sched.finishing} \
+        == set(sched.seqs)
+    assert all(s.seq_id not in sched.block_manager for s in sched.finishing)
+    assert not {s.seq_id for s in sched.running} & {s.seq_id for s in sched.waiting}
+
+# %% ../nbs/01_scheduler.ipynb #6a063cd9
+def check_sequences(sched: SchedulerMoves) -> None:
+    "Assert running requests hold blocks for their tokens and have work left, and waiting ones hold none."
+    bm = sched.block_manager
+    for seq in sched.running:
+        assert seq.status is SequenceStatus.RUNNING and seq.seq_id in bm
+        assert len(bm.block_table(seq.seq_id)) >= bm.num_blocks_for(seq.num_tokens - 1)
+        assert 0 <= seq.num_computed_tokens < seq.num_tokens
+    for seq in sched.waiting:
+        assert seq.status is SequenceStatus.WAITING and seq.seq_id not in bm and seq.num_computed_tokens == 0
+
+# %% ../nbs/01_scheduler.ipynb #21acd382
+class Scheduler(SchedulerMoves):
+    "Continuous (or static) batching over a paged KV cache; emits one `Step` at a time."
+
+    def schedule(self) -> Step:
+        "Decide the next step. Raises if the previous step was not `update`d."
+        if self._pending_step is not None: raise RuntimeError("update() the previous step before scheduling another")
+        budget, scheduled, preempted = self.config.max_num_batched_tokens, [], []
+        budget = schedule_decodes(self, scheduled, preempted, budget)
+        budget = schedule_prefills(self, scheduled, budget)
+        admit_waiting(self, scheduled, preempted, budget)
+        if not scheduled and (self.running or self.waiting):
+            raise RuntimeError(f"scheduler made no progress: running {len(self.running)}, waiting "
+                               f"{len(self.waiting)}, free blocks {self.block_manager.num_free_blocks} (this is a bug)")
+        step = Step(self.num_steps, scheduled, preempted)
+        if self.trace is not None:
+            self._record("step", decode=[s.seq_id for s in scheduled if s.is_decode],
+                         prefill=[[s.seq_id, s.start_pos, s.num_tokens] for s in scheduled if not s.is_decode],
+                         num_tokens=step.num_tokens, free_blocks=self.block_manager.num_free_blocks)
+        self._pending_step = step
+        return step
+
     def cancel(self, step: Step) -> None:
         "Forget the pending `step` without applying it (the model failed): its work is scheduled again."
         if step is not self._pending_step: raise ValueError("cancel() must get the step that schedule() returned last")
         self._pending_step = None
         self._record("cancel", seq_ids=[s.seq_id for s in step.seqs])
 
-    # -- results in --------------------------------------------------------------------------------------
     def update(self, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
         "Apply a computed step: one sampled token per `step.sample_seq_ids`, in order. Returns finished sequences."
         self.advance(step)
@@ -330,27 +435,7 @@ class Scheduler:
         if step is not self._pending_step: raise ValueError("advance() must get the step that schedule() returned last")
         if self._inflight is not None: raise RuntimeError("resolve() the in-flight step before advancing another")
         self._pending_step, self._inflight = None, step
-        self._advanced = advanced = []     # (the loop runs for every sequence of every step: names held locally)
-        self.num_steps += 1
-        bs, get_seq, running = self.block_manager.block_size, self.seqs.get, SequenceStatus.RUNNING
-        for s in step.seqs:
-            if s.sample: advanced.append(None)
-            seq = get_seq(s.seq_id)
-            if seq is None or seq.status is not running: continue   # aborted or stopped meanwhile
-            n, computed = len(s.token_ids), seq.num_computed_tokens
-            if s.start_pos < seq.max_computed_tokens:   # computed before a preemption: this is recompute
-                seq.num_recomputed_tokens += min(s.start_pos + n, seq.max_computed_tokens) - s.start_pos
-            if (computed + n) // bs > computed // bs:   # a block filled up
-                self.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, computed + n)
-            seq.num_computed_tokens = computed = computed + n
-            if computed > seq.max_computed_tokens: seq.max_computed_tokens = computed
-            if not s.sample: continue
-            seq.output_token_ids.append(-len(advanced))   # the placeholder -(1 + j) of the j-th sampled sequence
-            advanced[-1] = seq
-            if len(seq.output_token_ids) >= seq.max_tokens:                  # done, whatever the token is
-                self.running.remove(seq)
-                self.block_manager.free(seq.seq_id)
-                self.finishing.append(seq)
+        advance_seqs(self, step)
 
     def resolve(self, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
         "Put the in-flight `step`'s sampled tokens in place of its placeholders; returns the sequences that finished."
@@ -359,79 +444,51 @@ class Scheduler:
         if len(sampled_token_ids) != len(sample_ids):
             raise ValueError(f"expected {len(sample_ids)} sampled tokens, got {len(sampled_token_ids)}")
         self._inflight = None
-        finished = []
-        for s, seq, token in zip((s for s in step.seqs if s.sample), self._advanced, sampled_token_ids):
-            if seq is None or seq.status is SequenceStatus.FINISHED: continue   # aborted (or stopped) meanwhile
-            k = s.context_len - seq.num_prompt_tokens                         # where its placeholder went
-            seq.output_token_ids[k] = token
-            if seq.first_token_step is None: seq.first_token_step = step.step_id + 1
-            if token in seq.stop_token_ids: reason = "stop"
-            elif seq in self.finishing: reason = "length"
-            else: continue
-            del seq.output_token_ids[k + 1:]              # a placeholder of a step launched after this one
-            if seq in self.finishing: self.finishing.remove(seq)
-            elif seq.status is SequenceStatus.WAITING: self.waiting.remove(seq)   # preempted meanwhile
-            else:
-                self.running.remove(seq)
-                self.block_manager.free(seq.seq_id)
-            self._finish(seq, reason)
-            finished.append(seq)
-        return finished
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason, seq.finish_step = SequenceStatus.FINISHED, reason, self.num_steps
-        del self.seqs[seq.seq_id]
-        self._record("finish", seq=seq.seq_id, reason=reason, output=len(seq.output_token_ids),
-                     preemptions=seq.num_preemptions, recomputed=seq.num_recomputed_tokens)
+        return resolve_seqs(self, step, sampled_token_ids)
 
     def check_invariants(self) -> None:
         "Assert the scheduler's bookkeeping agrees with the block manager's (used by the tests)."
-        bm = self.block_manager
-        bm.check_invariants()
-        assert len(self.running) <= self.config.batch_limit
-        assert {s.seq_id for s in self.running} | {s.seq_id for s in self.waiting} | {s.seq_id for s in self.finishing} \
-            == set(self.seqs)
-        assert all(s.seq_id not in bm for s in self.finishing)
-        assert not {s.seq_id for s in self.running} & {s.seq_id for s in self.waiting}
-        for seq in self.running:
-            assert seq.status is SequenceStatus.RUNNING and seq.seq_id in bm
-            assert len(bm.block_table(seq.seq_id)) >= bm.num_blocks_for(seq.num_tokens - 1)
-            assert 0 <= seq.num_computed_tokens < seq.num_tokens
-        for seq in self.waiting:
-            assert seq.status is SequenceStatus.WAITING and seq.seq_id not in bm and seq.num_computed_tokens == 0
+        self.block_manager.check_invariants()
+        check_queues(self)
+        check_sequences(self)
 
 # %% ../nbs/01_scheduler.ipynb #986f2410
 _MOD = (1 << 61) - 1
 
+def write_fake_kv(kv: list, s: ScheduledSeq, block_size: int) -> None:
+    "Write `(position, token, h)` to each new token's slot; `h` hashes the sequence so far, read through the table."
+    h = 0
+    if s.start_pos:
+        p = s.start_pos - 1
+        entry = kv[s.block_table[p // block_size] * block_size + p % block_size]
+        if entry is None or entry[0] != p:
+            raise AssertionError(f"seq {s.seq_id}: slot of position {p} holds {entry}")
+        h = entry[2]
+    for pos, tok, slot in zip(s.positions, s.token_ids, s.slot_mapping):
+        h = (h * 1_000_003 + tok + 1) % _MOD
+        kv[slot] = (pos, tok, h)
+
+# %% ../nbs/01_scheduler.ipynb #79097a18
+def check_fake_kv(kv: list, s: ScheduledSeq, block_size: int) -> None:
+    "Assert every position of `s`'s context holds its own entry, read back through the block table."
+    for pos in range(s.context_len):
+        entry = kv[s.block_table[pos // block_size] * block_size + pos % block_size]
+        if entry is None or entry[0] != pos:
+            raise AssertionError(f"seq {s.seq_id}: slot of position {pos} holds {entry}")
+
+# %% ../nbs/01_scheduler.ipynb #492a4ca7
 class FakeModel:
     "A deterministic stand-in for the LLM that reads and writes a fake paged KV cache."
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000, check_kv: bool = False):
         self.block_size, self.vocab_size, self.check_kv = block_size, vocab_size, check_kv
         self.kv: list[tuple[int, int, int] | None] = [None] * (num_blocks * block_size)
-
-    def _slot(self, block_table: list[int], pos: int) -> int:
-        return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def step(self, step: Step) -> list[int]:
         "Write each new token's entry, then return one next token per sampling sequence."
-        for s in step.seqs:
-            h = 0
-            if s.start_pos:
-                entry = self.kv[self._slot(s.block_table, s.start_pos - 1)]
-                if entry is None or entry[0] != s.start_pos - 1:
-                    raise AssertionError(f"seq {s.seq_id}: slot of position {s.start_pos - 1} holds {entry}")
-                h = entry[2]
-            for pos, tok, slot in zip(s.positions, s.token_ids, s.slot_mapping):
-                h = (h * 1_000_003 + tok + 1) % _MOD
-                self.kv[slot] = (pos, tok, h)
+        for s in step.seqs: write_fake_kv(self.kv, s, self.block_size)
         out = []
         for s in step.seqs:
             if not s.sample: continue
-            if self.check_kv:
-                for pos in range(s.context_len):
-                    entry = self.kv[self._slot(s.block_table, pos)]
-                    if entry is None or entry[0] != pos:
-                        raise AssertionError(f"seq {s.seq_id}: slot of position {pos} holds {entry}")
+            if self.check_kv: check_fake_kv(self.kv, s, self.block_size)
             out.append(self.kv[s.slot_mapping[-1]][2] % self.vocab_size)
         return out
 
@@ -445,7 +502,7 @@ class Request:
     arrival_step: int = 0
     abort_step: int | None = None    # abort it when the scheduler reaches this step, if still unfinished
 
-
+# %% ../nbs/01_scheduler.ipynb #9b594da1
 def lognormal_workload(num_requests: int = 64, seed: int = 0, prompt_median: float = 64, output_median: float = 32,
                        sigma: float = 1.0, max_prompt_len: int = 512, max_output_len: int = 256,
                        shared_prefix_len: int = 0, arrival_rate: float | None = None,
@@ -464,7 +521,7 @@ def lognormal_workload(num_requests: int = 64, seed: int = 0, prompt_median: flo
         out.append(Request(i, prompt, n_out, int(t)))
     return out
 
-
+# %% ../nbs/01_scheduler.ipynb #83fdd2be
 @dataclass
 class SimResult:
     "What a simulation produced."
@@ -475,7 +532,19 @@ class SimResult:
     num_preemptions: int
     trace: Trace | None
 
+# %% ../nbs/01_scheduler.ipynb #4f703e44
+def feed_requests(sched: Scheduler, pending: deque, aborts: list, done: dict) -> None:
+    "Hand the scheduler the requests that have arrived by its step, and abort those due."
+    if not sched.has_unfinished() and pending and pending[0].arrival_step > sched.num_steps:
+        sched.num_steps = pending[0].arrival_step   # idle: jump to the next arrival
+    while pending and pending[0].arrival_step <= sched.num_steps:
+        r = pending.popleft()
+        sched.add(Sequence(r.seq_id, list(r.prompt_token_ids), max_tokens=r.output_len))
+    while aborts and aborts[0][0] <= sched.num_steps:
+        seq = sched.abort(aborts.pop(0)[1])
+        if seq is not None: done[seq.seq_id] = seq
 
+# %% ../nbs/01_scheduler.ipynb #6b2917c8
 def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_config: CacheConfig,
              check_kv: bool = False, trace: Trace | None = None, check_invariants: bool = False,
              max_steps: int = 1_000_000) -> SimResult:
@@ -492,14 +561,7 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
     done: dict[int, Sequence] = {}
     num_tokens = 0
     while pending or sched.has_unfinished():
-        if not sched.has_unfinished() and pending and pending[0].arrival_step > sched.num_steps:
-            sched.num_steps = pending[0].arrival_step   # idle: jump to the next arrival
-        while pending and pending[0].arrival_step <= sched.num_steps:
-            r = pending.popleft()
-            sched.add(Sequence(r.seq_id, list(r.prompt_token_ids), max_tokens=r.output_len))
-        while aborts and aborts[0][0] <= sched.num_steps:
-            seq = sched.abort(aborts.pop(0)[1])
-            if seq is not None: done[seq.seq_id] = seq
+        feed_requests(sched, pending, aborts, done)
         if not sched.has_unfinished(): continue
         step = sched.schedule()
         num_tokens += step.num_tokens
@@ -509,7 +571,7 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
     return SimResult({i: s.output_token_ids for i, s in done.items()}, done, sched.num_steps, num_tokens,
                      sched.num_preemptions, trace)
 
-
+# %% ../nbs/01_scheduler.ipynb #a6463943
 def replay(path) -> tuple[Trace, Trace]:
     "Re-run the workload recorded in a trace file; returns (recorded, replayed) traces to compare."
     recorded = Trace.from_jsonl(path)
