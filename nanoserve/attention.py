@@ -123,25 +123,27 @@ def online_softmax(s, v, m_i, l_i, acc):
 
 # %% ../nbs/06_attention.ipynb #5e2f8a40
 @triton.jit
-def decode_rope(row, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, heads, gm, d, kvh, last, t_begin, t_end,
-                stride_cb, stride_cs, stride_ch, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """The query heads [BLOCK_G, D] of one token's QKV row `row`, rotated. Its KV head's key (rotated) and value go
-    to the token's cache slot, written by the program whose tiles [t_begin, t_end) hold position `last`."""
+def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm, d,
+                t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, NUM_HEADS: tl.constexpr,
+                G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The query heads [BLOCK_G, D] of token `seq`'s QKV row, rotated. Its KV head's key (rotated) and value go to
+    the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the context's last)."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    row = q_ptr + seq * stride_qt
     first = (d < HALF)[None, :]
     partner = (d + HALF) % HEAD_DIM                   # the other half of each rotated pair
-    cos = tl.load(cos_ptr + d % HALF).to(tl.float32)[None, :]                                       # [1, D]
-    sin = tl.load(sin_ptr + d % HALF).to(tl.float32)[None, :]
+    cos = tl.load(cos_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]                    # [1, D]
+    sin = tl.load(sin_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]
     qa = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0.0).to(tl.float32)
     qb = tl.load(row + heads[:, None] * HEAD_DIM + partner[None, :], mask=gm, other=0.0).to(tl.float32)
-    q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(row.dtype.element_ty)          # [BLOCK_G, D]
+    q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(q_ptr.dtype.element_ty)    # [BLOCK_G, D]
     k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
     ka = tl.load(k_row + d).to(tl.float32)[None, :]
     kb = tl.load(k_row + partner).to(tl.float32)[None, :]
     k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin).to(k_cache_ptr.dtype.element_ty)  # [1, D]
     v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(v_cache_ptr.dtype.element_ty)[None, :]
-    slot = tl.load(slot_ptr)
+    last = ctx - 1                                    # the new token's position; its split writes it
+    slot = tl.load(slot_mapping_ptr + seq)
     if (slot >= 0) & (last // TILE_N >= t_begin) & (last // TILE_N < t_end):
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
         tl.store(k_cache_ptr + dst, k_new)
@@ -206,9 +208,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     heads = kvh * G + g
     gm = g[:, None] < G
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
-        q = decode_rope(q_ptr + seq * stride_qt, cos_ptr + seq * stride_cos, sin_ptr + seq * stride_cos,
-                        slot_mapping_ptr + seq, k_cache_ptr, v_cache_ptr, heads, gm, d, kvh, ctx - 1, t_begin, t_end,
-                        stride_cb, stride_cs, stride_ch, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE, TILE_N)
+        q = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm,
+                        d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, NUM_HEADS, G,
+                        HEAD_DIM, BLOCK_SIZE, TILE_N)
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
