@@ -241,7 +241,7 @@ def run_result(llm: LLM, results: list[dict], window: ProfileWindow) -> dict:
             "ledger": llm.ledger.summary(), "ledger_decode": llm.ledger.summary(decode_only=True),
             "profile": window.info, "preemptions": sum(r["preemptions"] for r in results),
             "recomputed_tokens": sum(r["recomputed_tokens"] for r in results), "num_kv_blocks": llm.num_kv_blocks,
-            "attention_backend": llm.attention_backend, "engine_config": llm.config.to_dict()}
+            "attention_backend": llm.attention_backend, "engine_config": llm.engine_config.to_dict()}
 
 # %% ../nbs/15_bench.ipynb #ab0766de
 def run_nanoserve(model_dir, requests: list[BenchRequest], send_times: list[float] | None, *, policy="continuous",

@@ -21,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import __version__
 from .engine import LLM, RequestOutput, SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -793,7 +794,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         finally: await engine.stop()
 
     # the package's version: `nanoserve` itself is always imported before any of its modules
-    app = FastAPI(title="nanoserve", version=sys.modules["nanoserve"].__version__, lifespan=lifespan,
+    app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible server for Qwen2 models, written from scratch.")
     app.state.serving = serving
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)

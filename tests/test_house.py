@@ -29,7 +29,8 @@ def modules() -> dict[str, ast.Module]:
 
 
 def package_imports(name: str, tree: ast.Module, top_level: bool) -> list[tuple[int, str]]:
-    "(line, module) of the imports of package modules, at the top level of `tree` or inside functions/classes."
+    """(line, module) of the imports of package modules, at the top level of `tree` or inside functions/classes.
+    The package's `__version__` (which nbdev writes into `__init__.py`) is not a chapter's."""
     nodes = tree.body if top_level else [n for top in tree.body if not isinstance(top, (ast.Import, ast.ImportFrom))
                                          for n in ast.walk(top)]
     found = []
@@ -37,9 +38,9 @@ def package_imports(name: str, tree: ast.Module, top_level: bool) -> list[tuple[
         if isinstance(n, ast.ImportFrom):
             mod = n.module or ""
             if n.level and mod: found.append((n.lineno, mod.split(".")[0]))
-            elif n.level: found += [(n.lineno, a.name) for a in n.names]
+            elif n.level: found += [(n.lineno, a.name) for a in n.names if a.name != "__version__"]
             elif mod.startswith("nanoserve."): found.append((n.lineno, mod.split(".")[1]))
-            elif mod == "nanoserve": found += [(n.lineno, a.name) for a in n.names]
+            elif mod == "nanoserve": found += [(n.lineno, a.name) for a in n.names if a.name != "__version__"]
         elif isinstance(n, ast.Import):
             found += [(n.lineno, a.name.split(".")[1]) for a in n.names if a.name.startswith("nanoserve.")]
     return found
