@@ -114,13 +114,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = False              # True: one Triton kernel (the fused-kernels chapter)
-        self.pdl = False                # True: that kernel uses programmatic dependent launch (same chapter)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused:
-            from nanoserve.fused import add_rmsnorm
-            return add_rmsnorm(x, residual, self.weight, self.eps, pdl=self.pdl)
         if residual is not None: x = residual = x + residual
         dtype = x.dtype
         h = x.float()

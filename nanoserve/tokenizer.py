@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import unicodedata
 from pathlib import Path
+from types import MappingProxyType
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -95,8 +96,9 @@ CHATML_TEMPLATE = (
 
 # %% ../nbs/03_tokenizer.ipynb #e22bc5f9
 TINY_MODEL_NAME = "tiny-qwen2-v1"   # the cache folder; a new version gets a new name
-TINY_QWEN2 = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e6)
+TINY_QWEN2 = MappingProxyType(dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                                   rope_theta=1e6))   # read-only
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 

@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -63,8 +64,9 @@ def pack(ids_per_doc: list[list[int]], eos_id: int, seq_len: int) -> torch.Tenso
     return torch.tensor(stream[:n * (seq_len + 1)], dtype=torch.long).view(n, seq_len + 1)   # [N, seq_len + 1]
 
 # %% ../nbs/04_train_tiny.ipynb #ff91c498
-TINY_STDLIB_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6)
+TINY_STDLIB_SHAPE = MappingProxyType(dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                          rms_norm_eps=1e-6))   # read-only
 
 
 def tiny_stdlib_config(tok):
