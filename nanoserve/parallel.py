@@ -33,7 +33,8 @@ from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 
 # %% auto #0
 __all__ = ['check_tensor_parallel', 'ParallelConfig', 'RowParallelLinear', 'VocabParallelEmbedding', 'gather_vocab',
-           'shard_model', 'load_shard', 'TensorParallelStart', 'TensorParallel']
+           'shard_attention', 'shard_mlp', 'shard_model', 'load_shard', 'WorkerLinks', 'TensorParallelStart',
+           'TensorParallel']
 
 # %% ../nbs/11_tensor_parallel.ipynb #00ea445a
 def check_tensor_parallel(cfg: ModelConfig, world_size: int, device: torch.device) -> None:
@@ -107,7 +108,7 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int, group=None) -> torch.Ten
         parts = torch.stack(chunks)                                                      # [N, T, S]
     return parts.permute(1, 0, 2).reshape(T, world * S)[:, :vocab_size]                 # [T, V]
 
-# %% ../nbs/11_tensor_parallel.ipynb #02c14494
+# %% ../nbs/11_tensor_parallel.ipynb #84699e67
 def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return t[start:start + size].clone()
 
@@ -122,32 +123,42 @@ def _vocab_slice(weight: torch.Tensor, rank: int, world_size: int) -> tuple[torc
     rows[:valid] = weight[start:start + valid]
     return rows, start, valid
 
+# %% ../nbs/11_tensor_parallel.ipynb #ba27f121
+def shard_attention(a: nn.Module, cfg: ModelConfig, rank: int, world_size: int, group=None) -> None:
+    "Rank `rank`'s heads of one attention layer: QKV column-parallel (its heads' rows), O row-parallel."
+    D, H, KVH = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h, k = H // world_size, KVH // world_size
+    q_w, k_w, v_w = a.qkv_proj.weight.split([H * D, KVH * D, KVH * D])                  # column-parallel
+    q_b, k_b, v_b = a.qkv_proj.bias.split([H * D, KVH * D, KVH * D])
+    qkv = nn.Linear(cfg.hidden_size, (h + 2 * k) * D, bias=True, dtype=q_w.dtype, device=q_w.device)
+    qkv.weight = nn.Parameter(torch.cat([_rows(q_w, rank * h * D, h * D), _rows(k_w, rank * k * D, k * D),
+                                         _rows(v_w, rank * k * D, k * D)]), requires_grad=False)
+    qkv.bias = nn.Parameter(torch.cat([_rows(q_b, rank * h * D, h * D), _rows(k_b, rank * k * D, k * D),
+                                       _rows(v_b, rank * k * D, k * D)]), requires_grad=False)
+    a.qkv_proj = qkv
+    a.o_proj = RowParallelLinear(a.o_proj.weight[:, rank * h * D:(rank + 1) * h * D].clone(), group)   # row-parallel
+    a.num_heads, a.num_kv_heads = h, k
+    a.q_size, a.kv_size = h * D, k * D
 
+
+def shard_mlp(m: nn.Module, cfg: ModelConfig, rank: int, world_size: int, group=None) -> None:
+    "Rank `rank`'s slice of the MLP: gate/up column-parallel, down row-parallel."
+    I = cfg.intermediate_size
+    i = I // world_size
+    gate, up = m.gate_up_proj.weight.split([I, I])
+    gate_up = nn.Linear(cfg.hidden_size, 2 * i, bias=False, dtype=gate.dtype, device=gate.device)
+    gate_up.weight = nn.Parameter(torch.cat([_rows(gate, rank * i, i), _rows(up, rank * i, i)]), requires_grad=False)
+    m.gate_up_proj = gate_up
+    m.down_proj = RowParallelLinear(m.down_proj.weight[:, rank * i:(rank + 1) * i].clone(), group)
+
+# %% ../nbs/11_tensor_parallel.ipynb #2ba48007
 def shard_model(model: Qwen2ForCausalLM, rank: int, world_size: int, group=None) -> Qwen2ForCausalLM:
     "Keep rank `rank`'s shard of every layer (Megatron-style); the collectives use `group`."
     cfg = model.config
     check_tensor_parallel(cfg, world_size, torch.device("cpu"))
-    D, I = cfg.head_dim, cfg.intermediate_size
-    H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
-    h, k, i = H // world_size, KVH // world_size, I // world_size
     for layer in model.layers:
-        a, m = layer.self_attn, layer.mlp
-        q_w, k_w, v_w = a.qkv_proj.weight.split([H * D, KVH * D, KVH * D])                  # column-parallel
-        q_b, k_b, v_b = a.qkv_proj.bias.split([H * D, KVH * D, KVH * D])
-        qkv = nn.Linear(cfg.hidden_size, (h + 2 * k) * D, bias=True, dtype=q_w.dtype, device=q_w.device)
-        qkv.weight = nn.Parameter(torch.cat([_rows(q_w, rank * h * D, h * D), _rows(k_w, rank * k * D, k * D),
-                                             _rows(v_w, rank * k * D, k * D)]), requires_grad=False)
-        qkv.bias = nn.Parameter(torch.cat([_rows(q_b, rank * h * D, h * D), _rows(k_b, rank * k * D, k * D),
-                                           _rows(v_b, rank * k * D, k * D)]), requires_grad=False)
-        a.qkv_proj = qkv
-        a.o_proj = RowParallelLinear(a.o_proj.weight[:, rank * h * D:(rank + 1) * h * D].clone(), group)   # row-parallel
-        a.num_heads, a.num_kv_heads = h, k
-        a.q_size, a.kv_size = h * D, k * D
-        gate, up = m.gate_up_proj.weight.split([I, I])
-        gate_up = nn.Linear(cfg.hidden_size, 2 * i, bias=False, dtype=gate.dtype, device=gate.device)
-        gate_up.weight = nn.Parameter(torch.cat([_rows(gate, rank * i, i), _rows(up, rank * i, i)]), requires_grad=False)
-        m.gate_up_proj = gate_up
-        m.down_proj = RowParallelLinear(m.down_proj.weight[:, rank * i:(rank + 1) * i].clone(), group)
+        shard_attention(layer.self_attn, cfg, rank, world_size, group)
+        shard_mlp(layer.mlp, cfg, rank, world_size, group)
     rows, start, valid = _vocab_slice(model.embed_tokens.weight, rank, world_size)
     model.embed_tokens = VocabParallelEmbedding(rows, start, valid, group)
     if model.lm_head is not None:                    # untied: the LM head gets the same vocabulary slice
@@ -172,39 +183,46 @@ def _init_group(device: torch.device, rank: int, world_size: int, port: int, tim
         dist.all_reduce(t)
         torch.cuda.synchronize(device)
 
-# %% ../nbs/11_tensor_parallel.ipynb #07575915
+# %% ../nbs/11_tensor_parallel.ipynb #209129ab
 def load_shard(model_dir, dtype: torch.dtype | None, device: torch.device, rank: int, world_size: int,
                group=None) -> Qwen2ForCausalLM:
     "Load the checkpoint on the CPU, keep rank `rank`'s shard, move it to `device`."
     model = shard_model(load_model(model_dir, dtype=dtype, device="cpu"), rank, world_size, group)
     return model.to(device)
 
-
-def _worker(spec: dict) -> None:
+# %% ../nbs/11_tensor_parallel.ipynb #99eaa883
+def _worker_runner(spec: dict, conn) -> ModelRunner:
+    "A worker's set-up, in step with rank 0: load its shard, agree on the KV blocks, build its runner (and graphs)."
     rank, world_size = spec["rank"], spec["world_size"]
+    device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda": torch.cuda.set_device(device)
+    _init_group(device, rank, world_size, spec["port"], spec["timeout_s"])
+    dtype = getattr(torch, spec["dtype"]) if spec["dtype"] else None
+    model = load_shard(spec["model_dir"], dtype, device, rank, world_size)
+    kernels = KernelConfig(**spec["kernels"])       # resolved by rank 0, for every rank alike
+    model.set_kernels(model_kernels(kernels))
+    dtype = model.norm.weight.dtype
+    conn.send(("loaded", None))
+    cfg, bs = model.config, spec["block_size"]
+    max_model_len = min(spec["max_model_len"] or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    num_blocks = spec["num_kv_blocks"] or kv_cache_blocks(
+        model, device, dtype, bs, spec["utilization"], spec["max_num_batched_tokens"], spec["max_num_seqs"],
+        max_model_len, kernels.cuda_graphs)[0]
+    conn.send(("kv_blocks", num_blocks))
+    _, num_blocks, max_model_len, graph_sizes = conn.recv()          # ("runners", ...) from rank 0
+    runner = ModelRunner(model, num_blocks, bs, device, dtype, kernels)
+    if device.type == "cuda" and kernels.attention_backend == "triton": runner.compile_kernels()
+    if graph_sizes: runner.enable_graphs(graph_sizes[0], max_model_len, token_sizes=graph_sizes[1])
+    conn.send(("ready", None))
+    return runner
+
+# %% ../nbs/11_tensor_parallel.ipynb #7326f0ac
+def _worker(spec: dict) -> None:
+    "One worker process: set up, then run every step rank 0 sends until it sends None (or is gone)."
     conn = Client(spec["address"], family="AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
-    conn.send(rank)
+    conn.send(spec["rank"])
     try:
-        device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
-        if device.type == "cuda": torch.cuda.set_device(device)
-        _init_group(device, rank, world_size, spec["port"], spec["timeout_s"])
-        dtype = getattr(torch, spec["dtype"]) if spec["dtype"] else None
-        model = load_shard(spec["model_dir"], dtype, device, rank, world_size)
-        kernels = KernelConfig(**spec["kernels"])       # resolved by rank 0, for every rank alike
-        model.set_kernels(model_kernels(kernels))
-        dtype = model.norm.weight.dtype
-        conn.send(("loaded", None))
-        cfg, bs = model.config, spec["block_size"]
-        max_model_len = min(spec["max_model_len"] or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_blocks = spec["num_kv_blocks"] or kv_cache_blocks(
-            model, device, dtype, bs, spec["utilization"], spec["max_num_batched_tokens"], spec["max_num_seqs"],
-            max_model_len, kernels.cuda_graphs)[0]
-        conn.send(("kv_blocks", num_blocks))
-        _, num_blocks, max_model_len, graph_sizes = conn.recv()          # ("runners", ...) from rank 0
-        runner = ModelRunner(model, num_blocks, bs, device, dtype, kernels)
-        if device.type == "cuda" and kernels.attention_backend == "triton": runner.compile_kernels()
-        if graph_sizes: runner.enable_graphs(graph_sizes[0], max_model_len, token_sizes=graph_sizes[1])
-        conn.send(("ready", None))
+        runner = _worker_runner(spec, conn)
         while True:
             inputs = pickle.loads(conn.recv_bytes())
             if inputs is None: break
@@ -255,35 +273,9 @@ def _shutdown(procs: list, conns: dict, abort: bool = False) -> None:
     for c in conns.values(): c.close()
     _leave_group(abort=abort)
 
-# %% ../nbs/11_tensor_parallel.ipynb #57d6fab0
-class TensorParallelStart:
-    "Rank 0's side, starting: the workers launched, connected, and their messages received."
-
-    def __init__(self, model_dir, config: ParallelConfig, device: torch.device, spec: dict):
-        world_size, self.timeout_s = config.tensor_parallel_size, config.timeout_s
-        self.model_dir, self.world_size = Path(model_dir), world_size
-        check_tensor_parallel(ModelConfig.from_model_dir(self.model_dir), world_size, device)
-        self.device = torch.device("cuda", 0) if device.type == "cuda" else torch.device("cpu")
-        if self.device.type == "cuda": torch.cuda.set_device(self.device)
-        self.procs, self.conns, self._closed = [], {}, False
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.device.type == "cuda")
-        authkey = secrets.token_bytes(16)
-        listener = Listener(family="AF_UNIX", authkey=authkey)
-        port = _free_port()
-        env = {**os.environ, **_NO_MULTICAST}
-        root = str(Path(__file__).resolve().parent.parent)        # so `-m nanoserve.parallel` finds this package
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        try:
-            for rank in range(1, world_size):
-                worker_spec = {**spec, "rank": rank, "world_size": world_size, "device": self.device.type,
-                               "model_dir": str(self.model_dir), "port": port, "address": listener.address,
-                               "authkey": authkey.hex(), "timeout_s": self.timeout_s}
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", json.dumps(worker_spec)],
-                                                   env=env))
-            self._accept(listener)
-        finally:
-            listener.close()
-        _init_group(self.device, 0, world_size, port, self.timeout_s)
+# %% ../nbs/11_tensor_parallel.ipynb #d8f84d45
+class WorkerLinks:
+    "Rank 0's connections to its workers: every wait on one also watches its process, so a dead worker is an error."
 
     def _accept(self, listener) -> None:
         "Each worker connects and says its rank; a worker that exits first is an error, not a hang."
@@ -315,6 +307,36 @@ class TensorParallelStart:
         if msg[0] == "error": raise RuntimeError(f"tensor-parallel rank {rank} failed: {msg[1]}")
         if msg[0] != kind: raise RuntimeError(f"tensor-parallel rank {rank}: expected {kind!r}, got {msg[0]!r}")
         return msg[1]
+
+# %% ../nbs/11_tensor_parallel.ipynb #654cabc0
+class TensorParallelStart(WorkerLinks):
+    "Rank 0's side, starting: the workers launched, connected, and their messages received."
+
+    def __init__(self, model_dir, config: ParallelConfig, device: torch.device, spec: dict):
+        world_size, self.timeout_s = config.tensor_parallel_size, config.timeout_s
+        self.model_dir, self.world_size = Path(model_dir), world_size
+        check_tensor_parallel(ModelConfig.from_model_dir(self.model_dir), world_size, device)
+        self.device = torch.device("cuda", 0) if device.type == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda": torch.cuda.set_device(self.device)
+        self.procs, self.conns, self._closed = [], {}, False
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.device.type == "cuda")
+        authkey = secrets.token_bytes(16)
+        listener = Listener(family="AF_UNIX", authkey=authkey)
+        port = _free_port()
+        env = {**os.environ, **_NO_MULTICAST}
+        root = str(Path(__file__).resolve().parent.parent)        # so `-m nanoserve.parallel` finds this package
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            for rank in range(1, world_size):
+                worker_spec = {**spec, "rank": rank, "world_size": world_size, "device": self.device.type,
+                               "model_dir": str(self.model_dir), "port": port, "address": listener.address,
+                               "authkey": authkey.hex(), "timeout_s": self.timeout_s}
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", json.dumps(worker_spec)],
+                                                   env=env))
+            self._accept(listener)
+        finally:
+            listener.close()
+        _init_group(self.device, 0, world_size, port, self.timeout_s)
 
 # %% ../nbs/11_tensor_parallel.ipynb #f2b889c3
 class TensorParallel(TensorParallelStart):

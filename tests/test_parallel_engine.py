@@ -3,7 +3,7 @@ seeded, fp32), each rank holds half the KV heads, a dead worker is an error, and
 heads is refused. (Moved here from the tensor-parallelism chapter, which comes before the engine.)"""
 import time
 
-from fastcore.test import test_eq, test_fail
+import fastcore.test as fc
 
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.tokenizer import default_model
@@ -17,15 +17,15 @@ def test_two_processes_give_the_tokens_of_one():
     llm2 = LLM(default_model(), dtype="float32", tensor_parallel_size=2)
     start_s = time.perf_counter() - t0
     two = [o.token_ids for o in llm2.generate(prompts, sp)]
-    test_eq(two, one)
+    fc.test_eq(two, one)
     # each rank holds half the KV heads: the same memory budget holds twice the blocks
-    test_eq(llm2.runner.kv_cache.shape[4], 1)
+    fc.test_eq(llm2.runner.kv_cache.shape[4], 1)
     print(llm2, f"\nstarted in {start_s:.1f} s;", llm2.tokenizer.decode(two[0]))
 
     sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7)
-    test_eq(llm2.generate(prompts[:2], sampled)[0].token_ids,
+    fc.test_eq(llm2.generate(prompts[:2], sampled)[0].token_ids,
             LLM(default_model(), dtype="float32").generate(prompts[:2], sampled)[0].token_ids)
     llm2.parallel.procs[0].kill(); llm2.parallel.procs[0].wait()
-    test_fail(lambda: llm2.generate(prompts[0], sp), contains="rank 1 exited")
+    fc.test_fail(lambda: llm2.generate(prompts[0], sp), contains="rank 1 exited")
     llm2.close()
-    test_fail(lambda: LLM(default_model(), tensor_parallel_size=3), contains="does not divide num_attention_heads (4)")
+    fc.test_fail(lambda: LLM(default_model(), tensor_parallel_size=3), contains="does not divide num_attention_heads (4)")
