@@ -7,7 +7,7 @@ Writes quant_h200.json (run metadata inside) after every part; copy it to figure
 
 a. correctness (checked first, asserted): the 7B layer shapes, INT8 and INT4, T in (1, 4, 16, 512): max relative
    error against the reference (dequantize to fp32, fp32 matmul) of the dispatch (`quant_matmul`, on the layout
-   `QuantLinear` stores and on rows), the FMA GEMV (T <= GEMV_MAX_T), the tensor-core GEMM (T > 1), and at one row
+   `QuantLinear` stores and on rows), the FMA GEMV (T <= the table's gemv_max_t), the tensor-core GEMM (T > 1), and at one row
    the one-row options over the tuned table (`OPTIONS`, passed as `config=`); one CUDA-graph capture and replay;
 b. sweep: the GEMV at T = 1 on the 7B shapes, the package's choice first, then BLOCK_N x BLOCK_K x warps
    candidates (each passed as `tuned=`: the candidate in place of the table's entry), each timed by `graph_bench`
@@ -110,7 +110,7 @@ def correctness_row(name, N, K, method, T, w, b, p, x):
     if method == "int4":                                          # the row-major layout too
         row["auto_rows"] = rel_err(Q.quant_matmul(x, *packed(w, method, rows=True), b, method, GROUP), ref)
         row["tile"] = Q.weight_layout(p[0])[0]
-    if T <= Q.GEMV_MAX_T: row["gemv_fma"] = rel_err(Q.quant_gemv(x, *p, b, method, GROUP), ref)
+    if T <= Q.quant_tables()["gemv_max_t"]: row["gemv_fma"] = rel_err(Q.quant_gemv(x, *p, b, method, GROUP), ref)
     if T == 1:
         for opt, cfg in OPTIONS[method].items():
             row[opt] = rel_err(Q.quant_gemv(x, *p, b, method, GROUP, config=cfg), ref)
@@ -313,7 +313,7 @@ def main():
     args = parser(__doc__, parts="correctness,sweep,gemm512,decode7b,decode05,kv").parse_args()
     device, smoke = device_or_skip(args), is_smoke(args)
     dtype = torch.bfloat16                     # the kernels' parts (the engine's smoke runs the tiny model in fp32)
-    res = {"dtype": "bfloat16", "group_size": GROUP, "gemv_max_t": Q.GEMV_MAX_T}
+    res = {"dtype": "bfloat16", "group_size": GROUP, "gemv_max_t": Q.quant_tables()["gemv_max_t"]}
     parts = {"correctness": lambda: correctness(res, device, dtype, smoke),
              "sweep": lambda: sweep(res, device, dtype, smoke),
              "gemm512": lambda: gemm512(res, device, dtype, smoke),

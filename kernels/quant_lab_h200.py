@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.model import SHAPES
-from nanoserve.quant import (FEW_ROWS_GEMM, TUNED_GEMV, _pairs_asm, _pairs_emulated, neg_pair, quant_matmul,
-                             quant_matmul_ref, quantize_int4, quantize_int8)
+from nanoserve.quant import (_pairs_asm, _pairs_emulated, neg_pair, quant_matmul,
+                             quant_matmul_ref, quant_tables, quantize_int4, quantize_int8)
 from nanoserve.runtime import finish_split, launch_options, pdl_launch_next, pdl_wait, split_counters, split_tiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # the CPU under --smoke (lab hides GPUs)
@@ -403,10 +403,10 @@ def lab(res, method: str, budget_s: float, smoke: bool):
         t0 = time.perf_counter()
         w, b, x, q, qb, qs, ref = layer_case(method, N, K, bias)
         qst = [(a, transposed(s), None if z is None else transposed(z)) for a, s, z in qs] if method == "int4" else None
-        shipped = dict(TUNED_GEMV.get((method, N, K), {}))
+        shipped = dict(quant_tables()["tuned_gemv"].get((method, N, K), {}))
         pdl_ship = DEVICE.type == "cuda"      # as shipped (PDL on a GPU; the interpreter has none)
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
-               "few_rows_gemm": FEW_ROWS_GEMM.get((method, N, K)),
+               "few_rows_gemm": quant_tables()["few_rows_gemm"].get((method, N, K)),
                "shipped_us": graph_bench(
                    lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ship)), qb),
                "trials": []}

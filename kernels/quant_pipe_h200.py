@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.model import SHAPES
-from nanoserve.quant import (NIBBLES, PAIRS_ASM_SHIFT, TUNED_GEMV, _pairs_emulated, _x_pairs, _x_words, gemv_tile,
-                             pack_int4, quant_gemv, quant_matmul, quant_matmul_ref, quantize_int4, tile_int4,
+from nanoserve.quant import (NIBBLES, PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, _x_words, gemv_tile, pack_int4,
+                             quant_gemv, quant_matmul, quant_matmul_ref, quant_tables, quantize_int4, tile_int4,
                              unpack_int4)
 from nanoserve.runtime import (finish_split, launch_options, pdl_launch_next, pdl_wait, split_counters, split_tiles,
                                sum_last)
@@ -288,7 +288,7 @@ def pipe_sweep(res, smoke: bool, save=lambda: None, cands_of=None, key="pipe", n
         N, K = shapes[name]
         t0 = time.perf_counter()
         w, x, q, qb, qs, ref = layer_case(N, K)
-        shipped = SMOKE_SHIPPED if smoke else TUNED_GEMV.get(("int4", N, K))
+        shipped = SMOKE_SHIPPED if smoke else quant_tables()["tuned_gemv"].get(("int4", N, K))
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
                "shipped_us": graph_bench(
                    lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=pdl)), qb), "trials": []}
@@ -358,7 +358,7 @@ def package_sweep(res, smoke: bool, save=lambda: None, budget_s: float = 60.0, c
     for name, N, K in shapes:
         t0 = time.perf_counter()
         w, x, q, qb, qs, ref = layer_case(N, K)
-        ship = dict(TUNED_GEMV.get(("int4", N, K), {}))
+        ship = dict(quant_tables()["tuned_gemv"].get(("int4", N, K), {}))
         tile = gemv_tile(N, K, 128)
         tiled = {}
 

@@ -3,7 +3,7 @@
 Run on any machine from the repo root (no GPU: Triton's own ptxas and nvdisasm compile and disassemble for sm_90):
     PYTHONPATH=. python kernels/quant_sass_cpu.py --out figures/data
 For each 7B projection and each variant of the kernel, `nanoserve.quant.compile_one_row` compiles exactly what
-`quant_gemv` (or `quant_gemm`, for the layers `FEW_ROWS_GEMM` sends to the tensor cores) would launch at one row,
+`quant_gemv` (or `quant_gemm`, for the layers the few-rows table sends to the tensor cores) would launch at one row,
 or, for the variants that left the package, this script's fork of the kernel (`pairs_fork_kernel`: the packed pairs
 with the zero point outside them, and the words on the tensor cores). It disassembles each, finds the main loop
 (the largest backward branch), and writes to quant_sass_cpu.json: registers a thread, the programs a multiprocessor
@@ -235,7 +235,7 @@ def variant_launch(N: int, K: int, name: str):
     group = 128 if method == "int4" else None
     gemm = cfg == "gemm"
     if gemm:
-        cfg = Q.FEW_ROWS_GEMM[(method, N, K)]
+        cfg = Q.quant_tables()["few_rows_gemm"][(method, N, K)]
         return method, cfg, True, fork, gemm_launch(1, N, K, method, group, 132, cfg, interpret=False)
     cfg = {} if cfg == NOW else {**LATER_OFF, **FIRST_TABLE[(method, N, K)], **cfg}
     return method, cfg, False, fork, gemv_launch(1, N, K, method, group, torch.bfloat16, 132, cfg, pdl=True,
@@ -319,7 +319,7 @@ def main():
         cases = [(*LAYERS_7B[layer], name) for layer, name in SMOKE_ROWS]
     else:
         cases = [(N, K, name) for N, K in LAYERS_7B.values() for name in VARIANTS
-                 if VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in Q.FEW_ROWS_GEMM]
+                 if VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in Q.quant_tables()["few_rows_gemm"]]
     rows = []
     for N, K, name in cases:
         rows.append(count(N, K, name)); show(rows[-1])

@@ -29,13 +29,13 @@ METHODS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['METHODS', 'NIBBLES', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM',
-           'GEMV_MAX_T', 'WORDS_RULE', 'F16_RULE', 'TUNED_GEMV', 'FEW_ROWS_GEMM', 'TUNED_GEMM', 'QUANT_TARGETS',
-           'QuantConfig', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_values',
-           'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'dequantize',
-           'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables', 'kernels_support',
-           'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config', 'gemv_launch',
-           'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear',
-           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality', 'quantized_linear_bytes']
+           'QUANT_TARGETS', 'QuantConfig', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4',
+           'out_features', 'int4_values', 'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout',
+           'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
+           'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
+           'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
+           'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality',
+           'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -704,16 +704,12 @@ def quant_tables() -> Mapping:
     key = lambda e: (e["method"], e["N"], e["K"]) + ((e["BLOCK_M"],) if "BLOCK_M" in e else ())
     tables = {name: {key(e): _frozen(e["config"]) for e in raw[name]}
               for name in ("tuned_gemv", "few_rows_gemm", "tuned_gemm")}
+    # gemv_max_t: up to this many rows the GEMV, beyond it the GEMM; words_rule: INT4 at one row (words, packed
+    # pairs, the tiled layout); f16_rule: INT8 at one bf16 row (bytes in packed fp16 pairs); tuned_gemv:
+    # (method, N, K) -> the GEMV config over the rules; few_rows_gemm: (method, N, K) -> the GEMM config at
+    # <= gemv_max_t rows; tuned_gemm: (method, N, K, BLOCK_M) -> the GEMM's tiles
     return _frozen({**tables, "words_rule": raw["words_rule"]["config"], "f16_rule": raw["f16_rule"]["config"],
                     "gemv_max_t": raw["gemv_max_t"]["value"]})
-
-
-GEMV_MAX_T: int = quant_tables()["gemv_max_t"]           # up to this many rows the GEMV, beyond it the GEMM
-WORDS_RULE: Mapping = quant_tables()["words_rule"]       # INT4 at one row: words, packed pairs, the tiled layout
-F16_RULE: Mapping = quant_tables()["f16_rule"]           # INT8 at one bf16 row: bytes in packed fp16 pairs
-TUNED_GEMV: Mapping = quant_tables()["tuned_gemv"]       # (method, N, K) -> the GEMV config over the rules
-FEW_ROWS_GEMM: Mapping = quant_tables()["few_rows_gemm"]  # (method, N, K) -> the GEMM config at <= GEMV_MAX_T rows
-TUNED_GEMM: Mapping = quant_tables()["tuned_gemm"]       # (method, N, K, BLOCK_M) -> the GEMM's tiles
 
 # %% ../nbs/08_quant.ipynb #4a7c2e90
 def _bits(method: str) -> int: return 8 if method == "int8" else 4
@@ -750,14 +746,15 @@ def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg:
 def gemv_config(M: int, N: int, K: int, method: str, group_size: int | None, sms: int,
                 config: Mapping | None = None, tuned: Mapping | None = None) -> dict:
     """The GEMV's blocks, warps, stages and split for one call: the rules, then the tuned entry for the shape
-    (`TUNED_GEMV`'s, or `tuned` in its place: an A/B's candidate), then `config`."""
+    (the table `tuned_gemv`'s, or `tuned` in its place: an A/B's candidate), then `config`."""
     bits = _bits(method)
     cfg = {"BLOCK_N": 32, "BLOCK_K": 256 if bits == 8 else 512, "num_warps": 4, "num_stages": 3, "PAIRS": True}
-    words = {**WORDS_RULE, "BLOCK_K": group_size}
+    tables = quant_tables()
+    words, f16 = {**tables["words_rule"], "BLOCK_K": group_size}, tables["f16_rule"]
     if words_path(M, N, K, method, group_size, words): cfg.update(words)   # INT4, one row: words, a group a tile
-    if method == "int8" and M == 1 and N % F16_RULE["BLOCK_N"] == 0 and K % F16_RULE["BLOCK_K"] == 0:
-        cfg.update(F16_RULE)                                                # INT8, one row: fp16 pairs (bf16 x)
-    cfg.update(TUNED_GEMV.get((method, N, K), {}) if tuned is None else tuned)
+    if method == "int8" and M == 1 and N % f16["BLOCK_N"] == 0 and K % f16["BLOCK_K"] == 0:
+        cfg.update(f16)                                                # INT8, one row: fp16 pairs (bf16 x)
+    cfg.update(tables["tuned_gemv"].get((method, N, K), {}) if tuned is None else tuned)
     cfg.update(config or {})
     cfg["SUB_K"] = _block_k(bits, group_size, cfg["BLOCK_K"])              # one INT4 group per sub-tile
     if cfg.get("SPLIT_K") is None:
@@ -782,7 +779,7 @@ def f16_path(M: int, N: int, K: int, method: str, dtype: torch.dtype, cfg: Mappi
 # %% ../nbs/08_quant.ipynb #6c9e4f12
 def gemm_config(M: int, N: int, K: int, method: str, group_size: int | None, sms: int,
                 config: Mapping | None = None) -> dict:
-    "The GEMM's blocks, warps, stages and split for one call: the rules, then `TUNED_GEMM`, then `config`."
+    "The GEMM's blocks, warps, stages and split for one call: the rules, then the table `tuned_gemm`, then `config`."
     bits = _bits(method)
     if M >= 128 and not INTERPRET:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64 if bits == 8 else 128, "num_warps": 8,
@@ -792,7 +789,7 @@ def gemm_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
                "num_warps": 4, "num_stages": 3}
     if bits == 4 and (config or {}).get("PACKED", True):   # words, packed pairs: measured at 8, 32, 128 and 512
         cfg["PACKED"] = True                                 # rows (the rows between: untimed); its tuned tiles
-        cfg.update(TUNED_GEMM.get((method, N, K, cfg["BLOCK_M"]), {}))
+        cfg.update(quant_tables()["tuned_gemm"].get((method, N, K, cfg["BLOCK_M"]), {}))
     cfg.update(config or {})
     cfg["BLOCK_K"] = _block_k(bits, group_size, cfg["BLOCK_K"])
     if cfg.get("SPLIT_K") is None:
@@ -834,7 +831,7 @@ def _args(x, qweight, scales, zeros, bias):
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: Mapping | None = None, pdl: bool = False,
                tuned: Mapping | None = None) -> torch.Tensor:
-    "FMA GEMV path: x [T, K] (T <= GEMV_MAX_T on the GPU) -> [T, N] in x's dtype."
+    "FMA GEMV path: x [T, K] (T <= the table's `gemv_max_t` on the GPU) -> [T, N] in x's dtype."
     x, z, b = _args(x, qweight, scales, zeros, bias)
     M, K = x.shape
     N = out_features(qweight)
@@ -955,15 +952,15 @@ def one_row_f16(N: int, K: int, method: str, dtype: torch.dtype) -> bool:
 def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                  pdl: bool = False, tuned: Mapping | None = None,
                  few_rows_gemm: Mapping | None = None) -> torch.Tensor:
-    """x [T, K] @ dequantize(W).T (+ bias) with the Triton kernels: GEMV up to `GEMV_MAX_T` rows (`pdl`: with
-    programmatic dependent launch; `tuned`: the GEMV entry in place of `TUNED_GEMV`'s) unless the few-rows table
-    (`FEW_ROWS_GEMM`, or `few_rows_gemm` in its place) names the layer and the row cannot take the fp16 pairs,
+    """x [T, K] @ dequantize(W).T (+ bias) with the Triton kernels: GEMV up to `gemv_max_t` rows (`pdl`: with
+    programmatic dependent launch; `tuned`: the GEMV entry in place of the table `tuned_gemv`'s) unless the few-rows table
+    (`quant_tables()["few_rows_gemm"]`, or `few_rows_gemm` in its place) names the layer and the row cannot take the fp16 pairs,
     else GEMM."""
     if not kernels_support(method, group_size):
         raise ValueError(f"the Triton kernels need group_size % 32 == 0 for int4, got {group_size}")
-    few = x.shape[0] <= GEMV_MAX_T
+    few = x.shape[0] <= quant_tables()["gemv_max_t"]
     N = out_features(qweight)
-    table = FEW_ROWS_GEMM if few_rows_gemm is None else few_rows_gemm
+    table = quant_tables()["few_rows_gemm"] if few_rows_gemm is None else few_rows_gemm
     gemm_cfg = table.get((method, N, x.shape[-1])) if few else None
     if gemm_cfg is not None and x.shape[0] == 1 and one_row_f16(N, x.shape[-1], method, x.dtype):
         gemm_cfg = None                       # one bf16 row: the GEMV's fp16 pairs beat the GEMM (measured)
@@ -987,7 +984,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
         self.pdl = False                        # True: the GEMV uses programmatic dependent launch
-        self.tuned = tuned                      # the GEMV entry in place of `TUNED_GEMV`'s (None: the table's)
+        self.tuned = tuned                      # the GEMV entry in place of the tuned table's (None: the table's)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 128, name: str = "linear",

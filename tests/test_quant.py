@@ -15,12 +15,14 @@ from torch import nn
 from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM
 
 from helpers import compiled_run
-from nanoserve.quant import (FEW_ROWS_GEMM, GEMV_MAX_T, TUNED_GEMV, METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear,
-                             QuantReport, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
+from nanoserve.quant import (METHODS, QUANT_TARGETS, QuantEmbedding, QuantLinear, QuantReport, quant_tables, choose_split_k, dequantize_int4, dequantize_int8, gemm_config, gemv_config,
                              kernels_support, pack_int4, quant_gemm, quant_gemv,
                              quant_matmul, quant_matmul_ref, quantize_int4, quantize_int8, quantize_model,
                              quantized_linear_bytes, unpack_int4, weight_bytes, words_path, gemv_launch,
                              gemv_tile, int4_rows, tile_int4, weight_layout)
+
+# the package's tuning tables (nanoserve/tables/quant.json), read-only
+TUNED_GEMV, FEW_ROWS_GEMM, GEMV_MAX_T = (quant_tables()[k] for k in ("tuned_gemv", "few_rows_gemm", "gemv_max_t"))
 
 interp = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 
@@ -620,7 +622,7 @@ sys.path.insert(0, "kernels")
 import quant_sass_cpu as S
 import nanoserve.quant as Q
 out = {}
-for m, N, K in Q.TUNED_GEMV:
+for m, N, K in Q.quant_tables()["tuned_gemv"]:
     cc = Q.compile_one_row(N, K, m, 128 if m == "int4" else None)
     out[f"{m} {N}x{K}"] = S.global_loads(S.disassemble(cc.asm["cubin"])[0])
 print(json.dumps(out))
