@@ -27,11 +27,8 @@ import torch
 
 try:
     from nanoserve.measure import run_meta
-except ImportError:                                  # older trees keep it in bench
-    try:
-        from nanoserve.bench import run_meta
-    except ImportError:
-        run_meta = None
+except ImportError:                                  # an older tree A/B'd by nanovllm_h200.py: lab's own metadata
+    run_meta = None
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "figures" / "data"
@@ -140,12 +137,17 @@ def rel_err(a, b) -> float:
 
 # ---- data ------------------------------------------------------------------------------------------------------
 def _fallback_meta() -> dict:
+    "The fields of `nanoserve.measure.run_meta()`, for a tree that has none (the A/B's older checkouts)."
     import platform, subprocess
     sha = os.environ.get("NANOSERVE_GIT_SHA") or subprocess.run(
         ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    return {"git_sha": sha or "unknown", "python": platform.python_version(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = {"git_sha": sha or "unknown", "python": platform.python_version(), "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for name in ("transformers", "triton"):
+        try: out[name] = __import__(name).__version__
+        except ImportError: pass
+    return out
 
 
 def meta() -> dict:
@@ -195,9 +197,10 @@ def write(path, data: dict, args) -> Path:
     return p
 
 
-def run_parts(parts: dict, names: str, save) -> None:
+def run_parts(parts: dict, names: str, save, seconds: dict | None = None) -> None:
     """Run the comma-separated `names` of `parts` (name -> function) in order; a failing part is recorded by
-    `save(name, error)` and the rest still run; `save(name, None)` after each part that finished."""
+    `save(name, error)` and the rest still run; `save(name, None)` after each part that finished. With `seconds`
+    (a dict), each part's duration is put there by name before `save` is called."""
     for name in [n for n in names.split(",") if n]:
         if name not in parts: raise SystemExit(f"unknown part {name!r}: one of {', '.join(parts)}")
         t0 = time.perf_counter()
@@ -205,12 +208,26 @@ def run_parts(parts: dict, names: str, save) -> None:
             parts[name](); err = None
         except Exception as e:
             import traceback; traceback.print_exc(); err = repr(e)
+        if seconds is not None: seconds[name] = time.perf_counter() - t0
         print(f"part {name}: {time.perf_counter() - t0:.1f} s" + (f" FAILED {err}" if err else ""), flush=True)
         save(name, err)
 
 
+def saver(name: str, res: dict, args):
+    """The `save` of `run_parts` for a script whose results are one dict `res`: a failed part's error goes into
+    res[f"{part}_error"], and `res` is written (as `name`, through `write`) after every part."""
+    def save(part, err):
+        if err: res[f"{part}_error"] = err
+        write(name, res, args)
+    return save
+
+
 # ---- engines ---------------------------------------------------------------------------------------------------
-from nanoserve.engine import LLM, SamplingParams      # noqa: E402  (after the environment above is set)
+# after the environment above is set; names every tree the A/B of nanovllm_h200.py runs has (0f60b58's too)
+from nanoserve.bench import WorkloadSpec, make_workload, random_checkpoint, run_benchmark   # noqa: E402
+from nanoserve.engine import LLM, SamplingParams, StepLedger                                # noqa: E402
+from nanoserve.measure import (busy_share, count_device_kernels, decode_floor_ms, kv_bytes_per_token,  # noqa: E402
+                               model_weight_bytes, profile_run, time_twice)
 
 
 def tiny_model() -> Path:
@@ -250,3 +267,266 @@ def decoding_engine(model_dir, batch: int, prompt_len: int = 1000, buckets=(1, 2
         sched.update(step, [1] * len(step.seqs)); llm._reports(step, 0.0)
         return x
     return llm, one
+
+
+# ---- the engine experiments' shared pieces (graphs, mixed graphs, async scheduling, the overhead diet) -----------
+def dtype_of(args) -> str:
+    "The dtype the engine experiments run in: bf16 on the GPU; fp32 under --smoke (the interpreter has no bf16)."
+    return "float32" if is_smoke(args) else "bfloat16"
+
+
+def is_cuda(device=None) -> bool:
+    "Whether `device` (default: the first GPU, when one is visible) is a CUDA device."
+    return torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+
+
+def free(device=None) -> None:
+    "Give the CUDA allocator's cached memory back between engines (nothing to do on a CPU)."
+    if is_cuda(device): torch.cuda.empty_cache()
+
+
+def drain(llm) -> None:
+    "Abort every request of `llm` and collect the step in flight (async scheduling): the engine idle."
+    for i in list(llm._requests): llm.abort_request(i)
+    while getattr(llm, "_inflight", None) is not None: llm.step()
+
+
+def checkpoint(shape: str, args) -> tuple[Path, str]:
+    """A folder of seeded random bf16 weights of the Qwen2.5 `shape` (`nanoserve.bench.random_checkpoint`: written
+    once into the cache, a safetensors file like any other), and the shape's name; under --smoke the built-in tiny
+    model and "tiny", whatever the shape."""
+    if is_smoke(args): return tiny_model(), "tiny"
+    return random_checkpoint(shape), shape
+
+
+def model_config(model_dir) -> dict:
+    "The checkpoint's config.json."
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def agreeing_prefix(a, b) -> int:
+    "How many leading tokens two sequences share."
+    return next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), len(a))
+
+
+def graph_replays(llm) -> tuple[int, int]:
+    "Replays of the engine's decode graphs and mixed-step graphs so far (0 where there are none, as on a CPU)."
+    g, m = llm.runner.graphs, llm.runner.mixed_graphs
+    return (g.num_replays if g else 0), (m.num_replays if m else 0)
+
+
+def copies_for_l2(nbytes: int, device=None) -> int:
+    """Operand copies that make graph_bench's calls read >= 256 MB (five times the H200's L2), so that no call
+    finds its weights cached; on a CPU (a smoke run) two, enough to exercise the indexing."""
+    if not is_cuda(device): return 2
+    return max(1, min(32, -(-(256 << 20) // max(nbytes, 1))))
+
+
+def operand_copies(tensors, nbytes: int) -> list[tuple]:
+    "The operands (a tuple; None stays None) and clones of them, `copies_for_l2(nbytes)` in all."
+    device = next(t.device for t in tensors if t is not None)
+    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors)
+                               for _ in range(copies_for_l2(nbytes, device) - 1)]
+
+
+def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10, device=None) -> list[float]:
+    """Microseconds per call of `make_call(i)()` as a decode step sees it: calls over R copies of the operands
+    (`copies_for_l2(nbytes)`: no call finds its weights in L2) captured in one CUDA graph, the graph replayed
+    `replays` times per pass; one value per pass (no host launch time, no cache flush kernel). On a CPU (a smoke
+    run) the R calls are timed back to back by the host's clock, once per pass."""
+    R = copies_for_l2(nbytes, device)
+    calls = [make_call(i) for i in range(R)]
+    for c in calls: c()                               # compile, pick algorithms, make the split counters
+    if not is_cuda(device):
+        out = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            for c in calls: c()
+            out.append((time.perf_counter() - t0) * 1e6 / R)
+        return out
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls: c()
+    g.replay(); torch.cuda.synchronize()
+    out = []
+    for _ in range(passes):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays): g.replay()
+        b.record(); b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / (replays * R))
+    del g
+    return out
+
+
+def step_rates(model_dir, res, shape, batches, configs, key, steps=200, warm_s=1.0, dtype="bfloat16",
+               prompt_len: int = 128) -> None:
+    """ms per step over `steps` consecutive `LLM.step()` calls with one sync per pass (a per-call sync would drain
+    the pipeline async scheduling builds), a warm-up pass then two timed passes, per (name, LLM kwargs) config;
+    rows appended to res[key]."""
+    rows = res.setdefault(key, [])
+    for cname, kw in configs:
+        llm = LLM(model_dir, dtype=dtype, num_kv_blocks={"0.5B": 16384, "7B": 4096}.get(shape, 512),
+                  max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches)), **kw)
+        for b in batches:
+            steady_decode(llm, b, prompt_len)
+            warm(llm.device, warm_s)
+            times = []
+            for _ in range(3):
+                sync(llm.device); t0 = time.perf_counter()
+                for _ in range(steps): llm.step()
+                sync(llm.device); times.append((time.perf_counter() - t0) / steps * 1e3)
+            row = {"shape": shape, "config": cname, "batch": b, "ms_per_step": times[1:], "warmup_ms": times[0],
+                   "best_ms": min(times[1:]), "disagree": disagree(times[1], times[2])}
+            print("rate", row, flush=True)
+            rows.append(row)
+        drain(llm)
+        del llm; free()
+
+
+def decode_row(llm, shape, cname, b, repeats, profiled_steps=16, ledger_steps=32, prompt_len=128) -> dict:
+    """One steady-decode row of an engine at batch `b`: ms per `LLM.step()` (warm-up first, timed twice, >15%
+    apart flagged), the step ledger's decode phases, device kernels per step and the GPU's busy share from one
+    profiled window, the graphs' capture time and memory."""
+    steady_decode(llm, b, prompt_len)
+    warm(llm.device, 2.0)
+    t = time_twice(llm.step, warmup_s=0.3 if is_cuda(llm.device) else 0.0, repeats=repeats, device=llm.device)
+    ctx = sum(r.seq.num_prompt_tokens + len(r.seq.output_token_ids) for r in llm._requests.values()) / b
+    steady_decode(llm, b, prompt_len, seed=1)
+    llm.ledger = StepLedger()
+    for _ in range(ledger_steps): llm.step()
+    ledger = llm.ledger.summary(decode_only=True); llm.ledger = None
+    with profile_run(llm.device) as run:
+        for _ in range(profiled_steps): llm.step()
+    graphs = llm.runner.graphs
+    return {"shape": shape, "config": cname, "batch": b, "ms_per_step": [t.first_ms, t.second_ms], "mean_context": ctx,
+            "median_ms": t.median_ms, "disagree": t.disagree, "tokens_per_s": b / (t.median_ms / 1e3),
+            "kernels_per_step": count_device_kernels(run.events) / profiled_steps,
+            "gpu_busy": busy_share(run) if is_cuda(llm.device) else None,
+            "profiled_ms_per_step": run.wall_s / profiled_steps * 1e3, "ledger_decode": ledger,
+            "graph_capture_s": graphs.capture_s if graphs else None,
+            "graph_memory_mib": graphs.memory_bytes / 2**20 if graphs else None}
+
+
+def decode_rows(model_dir, res, shape, configs: dict, batches, key, repeats=40, dtype="bfloat16", **row_kw) -> None:
+    "Steady decode rows (`decode_row`) of each configuration (name -> LLM overrides) at each batch, into res[key]."
+    for cname, kw in configs.items():
+        llm = LLM(model_dir, dtype=dtype, num_kv_blocks={"0.5B": 32768, "7B": 8192}.get(shape, 512),
+                  max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches)), show_progress=False,
+                  **kw)
+        for b in batches:
+            row = decode_row(llm, shape, cname, b, repeats, **row_kw)
+            print(key, {k: v for k, v in row.items() if k != "ledger_decode"}, flush=True)
+            res.setdefault(key, []).append(row)
+        drain(llm)
+        del llm; free()
+
+
+def copy_bandwidth_GBps(nbytes: int = 4 << 30, device=None) -> tuple[float, bool]:
+    "The device's copy bandwidth (read + write bytes a second, GB/s) over an `nbytes` bf16 copy, and its disagree flag."
+    d = torch.device(device) if device is not None else torch.device("cuda" if is_cuda() else "cpu")
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=d); y = torch.empty_like(x)
+    t = time_twice(lambda: y.copy_(x), warmup_s=1.0 if is_cuda(d) else 0.0, repeats=10, device=d)
+    del x, y; free(d)
+    return 2 * nbytes / (t.median_ms / 1e3) / 1e9, t.disagree
+
+
+def floors(res, configs: dict, nbytes: int = 4 << 30) -> None:
+    """Each res["decode"] row against its memory floor: weight bytes + K/V bytes over the copy bandwidth measured
+    here (`configs`: shape name -> its config)."""
+    bw, dis = copy_bandwidth_GBps(nbytes)
+    res["copy_bandwidth_GBps"], res["copy_bandwidth_disagree"] = bw, dis
+    for row in res.get("decode", []):
+        cfg = configs[row["shape"]]
+        fl = decode_floor_ms(model_weight_bytes(cfg), row["batch"] * row["mean_context"] * kv_bytes_per_token(cfg), bw)
+        row["floor_ms"], row["x_floor"] = fl, row["median_ms"] / fl
+
+
+def nanovllm_requests(vocab_size: int = 151936, max_model_len: int = 32768, num_requests: int = 256,
+                      smoke: bool = False):
+    """nano-vllm's workload: 256 requests, prompt and output lengths uniform in 100..1024, EOS ignored (under
+    --smoke the first 8, their prompts cut to 16 tokens, 4 tokens out): (requests, sampling parameters)."""
+    reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=num_requests, seed=0), vocab_size, max_model_len)
+    if smoke: reqs = [type(r)(tuple(r.prompt_token_ids[:16]), 4) for r in reqs[:8]]
+    return reqs, [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
+
+
+def timed_generate(llm, reqs, sp, repeats, label, warm_s: float = 3.0):
+    "Warm the GPU, then time `generate` on all `reqs` `repeats` times: (tokens generated, seconds per run, outputs)."
+    llm.generate([list(r.prompt_token_ids[:32]) for r in reqs[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
+    times = []
+    for _ in range(repeats):
+        warm(llm.device, warm_s)
+        sync(llm.device); t0 = time.perf_counter()
+        outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
+        sync(llm.device); dt = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs)
+        assert n == sum(r.max_tokens for r in reqs), (n, sum(r.max_tokens for r in reqs))
+        times.append(dt)
+        print("nanovllm", label, n, f"{dt:.2f} s", f"{n / dt:,.0f} tok/s", flush=True)
+    return n, times, outs
+
+
+def nanovllm(model_dir, res, repeats=2, smoke: bool = False, dtype="bfloat16", **kw) -> None:
+    "nano-vllm's workload on the engine's defaults (and `kw`), `repeats` timed runs, into res['nanovllm']."
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=16384,
+              **({"num_kv_blocks": 512} if smoke else {}), **kw)
+    reqs, sp = nanovllm_requests(llm.config.vocab_size, llm.max_model_len, smoke=smoke)
+    n, times, _ = timed_generate(llm, reqs, sp, repeats, "defaults", warm_s=0.0 if smoke else 3.0)
+    decode, mixed = graph_replays(llm)
+    res["nanovllm"] = {"output_tokens": n, "seconds": times, "output_tokens_per_s": [n / t for t in times],
+                       "disagree": disagree(times[0], times[-1]), "mixed_replays": mixed, "decode_replays": decode,
+                       "num_kv_blocks": llm.num_kv_blocks, "max_num_seqs": 256, "max_num_batched_tokens": 16384}
+    drain(llm)
+    del llm; free()
+
+
+def greedy_with_arrivals(model_dir, dtype, mixed: bool, **kw):
+    """Twelve prompts through 6 slots: later prompts are admitted while others decode (mixed steps). Returns the
+    greedy tokens and the (decode, mixed) graph replays."""
+    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=1024, max_num_seqs=6, max_num_batched_tokens=512,
+              mixed_step_graphs=mixed, **kw)
+    g = random.Random(3)
+    prompts = [[g.randrange(llm.config.vocab_size) for _ in range(n)]
+               for n in (7, 33, 64, 100, 130, 257, 9, 400, 50, 3, 77, 700)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+              for m in (40, 8, 25, 48, 12, 30, 44, 9, 20, 36, 16, 24)]
+    toks = [o.token_ids for o in llm.generate(prompts, params)]
+    replays = graph_replays(llm)
+    drain(llm)
+    del llm; free()
+    return toks, replays
+
+
+OFFLINE_SPEC = WorkloadSpec(kind="lognormal", num_requests=128, prompt_median=256, output_median=128, prompt_max=1024,
+                            output_max=512)          # the benchmark chapter's workload (kernels/bench_h200.sh)
+OFFLINE_COMMON = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
+SMOKE_SPEC = WorkloadSpec(kind="lognormal", num_requests=6, prompt_median=16, output_median=4, prompt_max=32,
+                          output_max=8)
+SMOKE_COMMON = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, num_kv_blocks=256)
+
+
+def offline(model_dir, res, configs, repeats=2, common=OFFLINE_COMMON, spec=OFFLINE_SPEC, timeout=400) -> None:
+    """The benchmark chapter's offline workload, each configuration `configs` ((name, engine, LLM overrides): engine
+    "continuous" or "static:N") `repeats` times, each run in a fresh process (`nanoserve.bench.run_benchmark`);
+    res['offline'] (numerator: output tokens actually generated)."""
+    rows = []
+    for name, engine, extra in configs:
+        reps = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = run_benchmark(model_dir, spec, [engine], engine_kwargs=common | extra, repeats=1, warmup_s=3.0,
+                                timeout=timeout, progress=False, profile_steps=0)
+            run = out["runs"][0]
+            if "error" in run: raise RuntimeError(f"{name}: {run['error']}")
+            r = run["reps"][0]
+            s = r["summary"]
+            reps.append({"summary": s, "ledger": r.get("ledger"), "ledger_decode": r.get("ledger_decode"),
+                         "preemptions": r.get("preemptions"), "process_s": time.perf_counter() - t0})
+            print("offline", name, {k: s[k] for k in ("output_tokens_per_s", "num_output_tokens") if k in s},
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+        tps = [x["summary"]["output_tokens_per_s"] for x in reps]
+        rows.append({"config": name, "engine": engine, "engine_kwargs": common | extra, "output_tokens_per_s": tps,
+                     "disagree": max(tps) - min(tps) > FLAG * min(tps), "reps": reps})
+        res["offline"] = {"workload": spec.__dict__, "numerator": "output tokens actually generated", "rows": rows}
