@@ -17,83 +17,97 @@ Random weights of the Qwen2.5-0.5B shape. Side by side in one run, `mixed_step_g
    continuous batching with mixed graphs on and off and static batching at 32, each twice, each run in a fresh
    process (numerator: output tokens actually generated);
 4. nanovllm: nano-vllm's workload (256 requests, uniform 100..1024 in and out, EOS ignored), twice.
+In the tutorials' order: check (asserted: the replayed logits match the eager step's, fp32 greedy tokens are
+identical), then time, then write (after every part, through kernels/lab.py). `--smoke`: every part on the built-in
+tiny model on the CPU under the Triton interpreter (fp32, short prompts; the check runs the mixed step's static
+buffers without capture, the other parts' CPU engines eagerly), written only to a temporary folder.
 """
-import argparse, json, os, random, statistics, sys, time
+import random, statistics, sys, time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import (LLM, OFFLINE_COMMON, OFFLINE_SPEC, SMOKE_COMMON, SMOKE_SPEC, SamplingParams, agreeing_prefix,  # noqa: E402
+                 checkpoint, device_or_skip, disagree, drain, dtype_of, free, greedy_with_arrivals, is_cuda, is_smoke,
+                 nanovllm, offline, parser, rel_err, run_parts, saver, steady_decode, sync, warm)
 
-from nanoserve.bench import WorkloadSpec, _spawn, make_workload, random_checkpoint
-from nanoserve.engine import LLM, SamplingParams
-from nanoserve.measure import busy_share, count_device_kernels, profile_run, run_meta, warm_gpu
-from nanoserve.runner import eager_inputs
+import torch                                                                               # noqa: E402
 
-DISAGREE = 0.15
+from nanoserve.graphs import graph_batch_sizes, graph_token_sizes                          # noqa: E402
+from nanoserve.measure import busy_share, count_device_kernels, profile_run                # noqa: E402
+from nanoserve.runner import eager_inputs                                                  # noqa: E402
+
+# (decoding prompts, a fresh prompt that fits the step, a prompt the budget cuts, the step's token budget)
+MIXED_STEP = ((300, 17, 900, 64, 5), 200, 3000, 2048)
+SMOKE_MIXED_STEP = ((30, 17, 90, 6, 5), 20, 300, 64)
 
 
-def mixed_step_logits(model_dir, dtype):
+def mixed_engine(model_dir, dtype, smoke: bool):
+    """The engine of the logits check. On a CPU (--smoke) the Triton backend with the mixed-step graphs' static
+    buffers set up without capture (`enable_graphs(capture=False)`): the replay path, run eagerly."""
+    budget = (SMOKE_MIXED_STEP if smoke else MIXED_STEP)[3]
+    kw = dict(attention_backend="triton", num_kv_blocks=128) if smoke else dict(num_kv_blocks=2048)
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=budget, **kw)
+    if not is_cuda(llm.device):
+        llm.runner.enable_graphs(graph_batch_sizes(32), llm.max_model_len, capture=False,
+                                 token_sizes=graph_token_sizes(budget))
+    return llm
+
+
+def mixed_step_logits(model_dir, dtype, smoke=False):
     "One scheduled mixed step run eagerly and replayed on the same cache: the sampled rows' logits."
-    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=32, max_num_batched_tokens=2048)
+    decodes, fresh, cut, _ = SMOKE_MIXED_STEP if smoke else MIXED_STEP
+    llm = mixed_engine(model_dir, dtype, smoke)
     g = random.Random(0)
     ids = lambda n: [g.randrange(llm.config.vocab_size) for _ in range(n)]
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for n in (300, 17, 900, 64, 5):                    # five decoding sequences
+    for n in decodes:                                    # five decoding sequences
         llm.add_request(ids(n), sp, stream=False)
     while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
-    llm.add_request(ids(200), sp, stream=False)            # a fresh prompt that fits the step
-    llm.add_request(ids(3000), sp, stream=False)           # a prompt the budget cuts: its chunk is not sampled
+    llm.add_request(ids(fresh), sp, stream=False)          # a fresh prompt that fits the step
+    llm.add_request(ids(cut), sp, stream=False)            # a prompt the budget cuts: its chunk is not sampled
     step = llm.scheduler.schedule()
     runner = llm.runner
     sampling = [(0.0, 1.0, 0, 0, 0)] * sum(s.sample for s in step.seqs)
     before = runner.kv_cache.clone()
     with torch.inference_mode():
-        mixed, runner.mixed_graphs = runner.mixed_graphs, None
+        mixed, runner.mixed_graphs = runner.mixed_graphs, None   # this runner alone, for one eager packing
         x = runner.pack(step, sampling)                      # the eager packing
         dev_i, _ = runner._to_device(x.ints, x.floats)
         i, p, meta, rows = eager_inputs(x, dev_i)
         eager = llm.model.compute_logits(llm.model(i, p, runner.kv_caches, meta)[rows]).clone()
         cache_eager = runner.kv_cache.clone()
         runner.kv_cache.copy_(before)
-        torch.cuda.synchronize()                             # the pinned staging buffer is about to be reused
+        sync(llm.device)                                     # the pinned staging buffer is about to be reused
         runner.mixed_graphs = mixed
         x = runner.pack(step, sampling)
         assert x.mixed_bucket is not None, "the step did not go to a mixed graph"
         dev_i, _ = runner._to_device(x.ints, x.floats)
         replay = mixed.run(dev_i[:x.num_step_ints], x.mixed_bucket, x.num_seqs, x.width)[:x.num_sampled].clone()
-        torch.cuda.synchronize()
-    rel = ((replay - eager).norm() / eager.norm()).item()
-    cache_rel = ((runner.kv_cache.float() - cache_eager.float()).norm() / cache_eager.float().norm()).item()
+        sync(llm.device)
     out = {"dtype": dtype, "num_tokens": step.num_tokens, "num_seqs": len(step.seqs), "bucket": x.mixed_bucket,
-           "sampled_rows": x.num_sampled, "logits_rel_err": rel, "max_abs_diff": (replay - eager).abs().max().item(),
-           "argmax_agree": (replay.argmax(-1) == eager.argmax(-1)).float().mean().item(), "cache_rel_err": cache_rel,
-           "any_nan": bool(replay.isnan().any())}
-    del llm, before, cache_eager; torch.cuda.empty_cache()
+           "sampled_rows": x.num_sampled, "logits_rel_err": rel_err(replay, eager),
+           "max_abs_diff": (replay - eager).abs().max().item(),
+           "argmax_agree": (replay.argmax(-1) == eager.argmax(-1)).float().mean().item(),
+           "cache_rel_err": rel_err(runner.kv_cache, cache_eager), "any_nan": bool(replay.isnan().any())}
+    drain(llm)
+    del llm, before, cache_eager; free()
     return out
 
 
-def greedy_with_arrivals(model_dir, dtype, mixed: bool, **kw):
-    "Twelve prompts through 6 slots: later prompts are admitted while others decode (mixed steps)."
-    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=1024, max_num_seqs=6, max_num_batched_tokens=512,
-              mixed_step_graphs=mixed, **kw)
-    g = random.Random(3)
-    prompts = [[g.randrange(llm.config.vocab_size) for _ in range(n)] for n in (7, 33, 64, 100, 130, 257, 9, 400, 50, 3, 77, 700)]
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 8, 25, 48, 12, 30, 44, 9, 20, 36, 16, 24)]
-    toks = [o.token_ids for o in llm.generate(prompts, params)]
-    replays = (llm.runner.graphs.num_replays, llm.runner.mixed_graphs.num_replays if llm.runner.mixed_graphs else 0)
-    del llm; torch.cuda.empty_cache()
-    return toks, replays
-
-
-def check(model_dir, res):
-    res["logits"] = [mixed_step_logits(model_dir, d) for d in ("float32", "bfloat16")]
-    for r in res["logits"]: print("logits", r, flush=True)
+def check(model_dir, res, smoke=False):
+    dtypes = ("float32",) if smoke else ("float32", "bfloat16")
+    res["logits"] = [mixed_step_logits(model_dir, d, smoke) for d in dtypes]
+    for r in res["logits"]:
+        print("logits", r, flush=True)
+        assert not r["any_nan"] and r["logits_rel_err"] < (1e-3 if r["dtype"] == "float32" else 5e-2), r
     par = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         (off, r_off), (on, r_on) = greedy_with_arrivals(model_dir, dtype, False), greedy_with_arrivals(model_dir, dtype, True)
-        pos = [next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), len(a)) for a, b in zip(off, on)]
-        par[dtype] = {"sequences": len(off), "identical": sum(a == b for a, b in zip(off, on)), "agreeing_prefixes": pos,
+        par[dtype] = {"sequences": len(off), "identical": sum(a == b for a, b in zip(off, on)),
+                      "agreeing_prefixes": [agreeing_prefix(a, b) for a, b in zip(off, on)],
                       "lengths": [len(a) for a in off], "replays_off": r_off, "replays_on": r_on}
         print("parity", dtype, par[dtype], flush=True)
+    assert par["float32"]["identical"] == par["float32"]["sequences"], par["float32"]
     res["greedy_parity"] = par
 
 
@@ -110,95 +124,57 @@ def timed_admissions(llm, num_decodes, prompt_len, reps, g):
     return out
 
 
-def steps(model_dir, res):
-    from graphs_h200 import steady_decode
+def steps(model_dir, res, smoke=False, dtype="bfloat16"):
+    decodes, prompts, reps = ((1, 2), (16, 64), 2) if smoke else ((1, 32), (16, 128, 512, 2000), 10)
     rows = []
     for mixed in (False, True):
-        llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=64, max_num_batched_tokens=2048,
-                  mixed_step_graphs=mixed)
+        llm = LLM(model_dir, dtype=dtype, num_kv_blocks=512 if smoke else 16384, max_num_seqs=64,
+                  max_num_batched_tokens=2048, mixed_step_graphs=mixed)
         g = random.Random(5)
-        for b in (1, 32):
-            for P in (16, 128, 512, 2000):
-                steady_decode(llm, b, prompt_len=256)
-                warm_gpu(1.0, llm.device)
-                timed_admissions(llm, b, P, 3, g)                  # warm-up of this shape
-                t1 = timed_admissions(llm, b, P, 10, g)
-                t2 = timed_admissions(llm, b, P, 10, g)
+        for b in decodes:
+            for P in prompts:
+                steady_decode(llm, b, prompt_len=16 if smoke else 256)
+                warm(llm.device, 1.0)
+                timed_admissions(llm, b, P, 1 if smoke else 3, g)       # warm-up of this shape
+                t1 = timed_admissions(llm, b, P, reps, g)
+                t2 = timed_admissions(llm, b, P, reps, g)
                 m1, m2 = statistics.median(t1), statistics.median(t2)
                 row = {"mixed_graphs": mixed, "decodes": b, "prompt_len": P, "ms_per_step": [m1, m2],
-                       "median_ms": statistics.median(t1 + t2), "disagree": abs(m1 - m2) > DISAGREE * min(m1, m2)}
-                if P == 128:                                        # kernels and busy share of admission steps
+                       "median_ms": statistics.median(t1 + t2), "disagree": disagree(m1, m2)}
+                if P == prompts[1]:                                 # kernels and busy share of admission steps
                     with profile_run(llm.device) as run:
                         timed_admissions(llm, b, P, 4, g)
                     row["kernels_per_admission_pair"] = count_device_kernels(run.events) / 4
-                    row["gpu_busy"] = busy_share(run)
+                    row["gpu_busy"] = busy_share(run) if is_cuda(llm.device) else None
                 print("step", row, flush=True)
                 rows.append(row)
-        if mixed: res["mixed_graph_capture"] = {"seconds": llm.runner.mixed_graphs.capture_s,
-                                                "memory_mib": llm.runner.mixed_graphs.memory_bytes / 2**20,
-                                                "buckets": llm.runner.mixed_graphs.token_sizes,
-                                                "decode_capture_s": llm.runner.graphs.capture_s}
-        for i in list(llm._requests): llm.abort_request(i)
-        del llm; torch.cuda.empty_cache()
+        if mixed and llm.runner.mixed_graphs:
+            res["mixed_graph_capture"] = {"seconds": llm.runner.mixed_graphs.capture_s,
+                                          "memory_mib": llm.runner.mixed_graphs.memory_bytes / 2**20,
+                                          "buckets": llm.runner.mixed_graphs.token_sizes,
+                                          "decode_capture_s": llm.runner.graphs.capture_s}
+        drain(llm)
+        del llm; free()
     res["admission_steps"] = rows
 
 
 OFFLINE_CONFIGS = [("continuous", "continuous", {}),
                    ("continuous, mixed steps eager", "continuous", {"mixed_step_graphs": False}),
                    ("static:32", "static:32", {})]
-OFFLINE_COMMON = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=8192)
-
-
-def offline(model_dir, res, repeats=2, configs=OFFLINE_CONFIGS, common=OFFLINE_COMMON):
-    spec = WorkloadSpec(kind="lognormal", num_requests=128, prompt_median=256, output_median=128, prompt_max=1024,
-                        output_max=512)
-    reqs = make_workload(spec, 151936, 32768)
-    rows = []
-    for name, engine, extra in configs:
-        reps = []
-        for _ in range(repeats):
-            job = {"engine": engine, "model_dir": str(model_dir), "send_times": None,
-                   "requests": [[list(r.prompt_token_ids), r.max_tokens] for r in reqs],
-                   "engine_kwargs": common | extra, "warmup_s": 3.0, "progress": False, "profile_steps": 0}
-            t0 = time.perf_counter()
-            r = _spawn(job, 400)
-            s = r["summary"]
-            reps.append({"summary": s, "ledger": r.get("ledger"), "ledger_decode": r.get("ledger_decode"),
-                         "preemptions": r.get("preemptions"),
-                         "process_s": time.perf_counter() - t0})
-            print("offline", name, {k: s[k] for k in ("output_tokens_per_s", "num_output_tokens") if k in s},
-                  f"{time.perf_counter() - t0:.0f} s", flush=True)
-        tps = [x["summary"]["output_tokens_per_s"] for x in reps]
-        rows.append({"config": name, "engine": engine, "engine_kwargs": common | extra, "output_tokens_per_s": tps,
-                     "disagree": max(tps) - min(tps) > DISAGREE * min(tps), "reps": reps})
-        res["offline"] = {"workload": spec.__dict__, "numerator": "output tokens actually generated", "rows": rows}
-
-
-def nanovllm(model_dir, res, repeats=2):
-    from graphs_h200 import nanovllm_requests, timed_generate
-    reqs, sp = nanovllm_requests()
-    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384)
-    n, times, _ = timed_generate(llm, reqs, sp, repeats, "graphs")
-    res["nanovllm"] = {"output_tokens": n, "seconds": times, "output_tokens_per_s": [n / t for t in times],
-                       "disagree": abs(times[0] - times[-1]) > DISAGREE * min(times),
-                       "mixed_replays": llm.runner.mixed_graphs.num_replays, "decode_replays": llm.runner.graphs.num_replays,
-                       "num_kv_blocks": llm.num_kv_blocks, "max_num_seqs": 256, "max_num_batched_tokens": 16384}
-    del llm; torch.cuda.empty_cache()
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="check,steps,offline,nanovllm")
-    args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
-    res = {"meta": run_meta(), "command": f"PYTHONPATH=. python kernels/mixed_graphs_h200.py --parts {args.parts}"}
-    out = Path(args.out) / "mixed_graphs_h200.json"
-    d05 = random_checkpoint("0.5B")
-    parts = {"check": lambda: check(d05, res), "steps": lambda: steps(d05, res), "offline": lambda: offline(d05, res),
-             "nanovllm": lambda: nanovllm(d05, res)}
-    from graphs_h200 import run_parts
-    run_parts(parts, args.parts, res, out)
+    args = parser(__doc__, parts="check,steps,offline,nanovllm").parse_args()
+    device_or_skip(args)
+    smoke, dtype = is_smoke(args), dtype_of(args)
+    res = {}
+    d05, _ = checkpoint("0.5B", args)
+    offline_kw = dict(repeats=1, configs=OFFLINE_CONFIGS[:2], common=SMOKE_COMMON, spec=SMOKE_SPEC, timeout=240) \
+        if smoke else dict(configs=OFFLINE_CONFIGS, common=OFFLINE_COMMON, spec=OFFLINE_SPEC)
+    parts = {"check": lambda: check(d05, res, smoke), "steps": lambda: steps(d05, res, smoke, dtype),
+             "offline": lambda: offline(d05, res, **offline_kw),
+             "nanovllm": lambda: nanovllm(d05, res, 1 if smoke else 2, smoke, dtype)}
+    run_parts(parts, args.parts, saver("mixed_graphs_h200.json", res, args), res.setdefault("part_seconds", {}))
 
 
 if __name__ == "__main__":
