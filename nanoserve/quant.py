@@ -81,7 +81,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     N, half = packed.shape
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(N, 2 * half)   # [N, K]
 
-
+# %% ../nbs/08_quant.ipynb #4cd275b1
 def out_features(qweight: torch.Tensor) -> int:
     "The output channels of packed weights: rows [N, K'], or the tiled view [N / tile, tile, groups, group']."
     return qweight.shape[0] * qweight.shape[1] if qweight.dim() == 4 else qweight.shape[0]
@@ -112,7 +112,7 @@ def _check_group(K: int, group_size: int, name: str = "weight") -> None:
     if K % group_size:
         raise ValueError(f"{name}: group_size {group_size} does not divide in_features {K}")
 
-
+# %% ../nbs/08_quant.ipynb #6c1db434
 def quantize_int4(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Asymmetric group-wise INT4 of `w` [N, K]: (qweight uint8 [N, K/2], scales fp32 [N, K/G], zeros uint8 [N, K/G])."
     if w.dim() != 2: raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
@@ -126,7 +126,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor,
     q = (torch.round(wf / scales[..., None]) + zeros[..., None]).clamp_(0, 15)
     return pack_int4(q.reshape(N, K)), scales, zeros.to(torch.uint8)          # q: [N, K]
 
-
+# %% ../nbs/08_quant.ipynb #6fca524e
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype=torch.float32) -> torch.Tensor:
     "The weight [N, K] that `quantize_int4` stands for (in either layout, `tile_int4`'s too)."
@@ -149,7 +149,7 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     q = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)   # stored [NB, G, P, GB], seen [NB, P, G, GB]
     return q, scales.t().contiguous().t(), zeros.t().contiguous().t()
 
-
+# %% ../nbs/08_quant.ipynb #bf43618e
 def weight_layout(q: torch.Tensor) -> tuple[int, int, int, int]:
     """(tile, stride between tiles, stride between channels, stride between groups) of packed weights in their own
     elements (bytes or int32 words): (0, 0, row stride, 0) for rows."""
@@ -192,7 +192,7 @@ def _pairs_asm(bf16: bool = True, shift: bool = False) -> str:
             ".reg .b32 flo, fhi;" if shift and bf16 else ".reg .f32 flo, fhi;")
     return "{\n" + "\n".join(regs + tuple(lines)) + "\n}"
 
-
+# %% ../nbs/08_quant.ipynb #ff34dc2f
 def neg_pair(bf16: bool = True) -> int:
     "The int32 bits of the pair -(2^e) -(2^e) (`_pairs_asm`'s $6 for z = 0): -128 in bf16, -1024 in fp16."
     return (0xC300C300 if bf16 else 0xE400E400) - (1 << 32)
@@ -234,7 +234,7 @@ def _int8_pairs_asm() -> str:
     regs = (".reg .b32 ua, ub, t0, t1, t2, t3, acc, mg, sb, zr;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;")
     return "{\n" + "\n".join(regs + tuple(lines)) + "\n}"
 
-
+# %% ../nbs/08_quant.ipynb #62af6c9f
 INT8_PAIRS_ASM = tl.constexpr(_int8_pairs_asm())
 # a bf16 pair (int32) -> the fp16 pair of its values times X_SCALE (round to nearest); lane 0 stays lane 0
 F16_PAIR_ASM = tl.constexpr("""{
@@ -253,7 +253,7 @@ def _bits_value(bits):
     "The fp32 value of bf16 bits held in the low half of int32s."
     return (bits << 16).to(tl.float32, bitcast=True)
 
-
+# %% ../nbs/08_quant.ipynb #bebd9007
 @triton.jit
 def _x_words(x_ptr, base, NW: tl.constexpr):
     """x's bf16 bits read as int32 pairs, 8 inputs per j: element `base + 4 j + i` holds inputs 8 j + 2 i and
@@ -265,7 +265,7 @@ def _x_words(x_ptr, base, NW: tl.constexpr):
     r1, r3 = tl.split(b)
     return r0, r1, r2, r3
 
-
+# %% ../nbs/08_quant.ipynb #d7c59b40
 @triton.jit
 def _x_pairs(x_ptr, base, NW: tl.constexpr):
     """The activation pairs of NW words, straight from x's bf16 bits (`_x_words`), regrouped into pair k = inputs
@@ -285,7 +285,7 @@ def _pair_term(w, p, zlo, zhi):
     thi = _bits_value(((w >> 16) & 15) | 0x4300) + zhi
     return tlo * _bits_value(p & 0xFFFF) + thi * _bits_value((p >> 16) & 0xFFFF)
 
-
+# %% ../nbs/08_quant.ipynb #b7c3d988
 @triton.jit
 def _pairs_emulated(words, p0, p1, p2, p3, zp):
     """What `PAIRS_ASM` computes from the same int32 operands, in fp32 and without its bf16 roundings: the
@@ -295,7 +295,7 @@ def _pairs_emulated(words, p0, p1, p2, p3, zp):
     return (_pair_term(words, p0, zlo, zhi) + _pair_term(words >> 4, p1, zlo, zhi)
             + _pair_term(words >> 8, p2, zlo, zhi) + _pair_term(words >> 12, p3, zlo, zhi))
 
-
+# %% ../nbs/08_quant.ipynb #cb2107ec
 @triton.jit
 def _dequant_words(words, zp, EMULATE: tl.constexpr, PERM: tl.constexpr = False):
     """INT4 words [BLOCK_N, NW] and the zero-point pairs [BLOCK_N, 1] -> the weights q - z [BLOCK_N, NW * 8] in
@@ -335,7 +335,7 @@ def _f16_pair(r, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(F16_PAIR_ASM, "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
 
-
+# %% ../nbs/08_quant.ipynb #e6d51c10
 @triton.jit
 def _f16_lanes(h):
     "An fp16 pair (int32) -> its two values in fp32."
@@ -343,13 +343,13 @@ def _f16_lanes(h):
     hi = ((h >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
-
+# %% ../nbs/08_quant.ipynb #dbf2b3fd
 @triton.jit
 def _byte(w, B: tl.constexpr):
     "Signed byte B of int32 words, as fp32."
     return ((((w >> (8 * B)) & 0xFF) ^ 0x80) - 128).to(tl.float32)
 
-
+# %% ../nbs/08_quant.ipynb #dca9cc6b
 @triton.jit
 def _int8_pairs(wa, wb, h0, h1, h2, h3, EMULATE: tl.constexpr):
     """Two words of 4 signed bytes and the four fp16 activation pairs they meet -> sum of the 8 products (fp32):
@@ -372,7 +372,7 @@ def _perm_inputs(a):
     m = a % 8
     return a - m + tl.where(m < 4, 2 * m, 2 * m - 7)
 
-
+# %% ../nbs/08_quant.ipynb #743aee7c
 @triton.jit
 def _qw_rows(n0, BLOCK_N: tl.constexpr, TILE: tl.constexpr, stride_qb, stride_qn):
     """Where channels n0 .. n0 + BLOCK_N - 1 start in the weights [BLOCK_N]: rows `stride_qn` apart, or (`TILE`) rows
@@ -386,7 +386,7 @@ def _qw_rows(n0, BLOCK_N: tl.constexpr, TILE: tl.constexpr, stride_qb, stride_qn
     else:
         return ((n0 + offs) // TILE) * stride_qb + ((n0 + offs) % TILE) * stride_qn
 
-
+# %% ../nbs/08_quant.ipynb #82ae8eb1
 @triton.jit
 def _qw_col(k0, GU: tl.constexpr, TILE: tl.constexpr, stride_qg):
     "Where column k0 (bytes or words, GU a group) of a row lies: k0, or (`TILE`) in its group, `stride_qg` apart."
@@ -490,7 +490,7 @@ def _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N
     pdl_launch_next(PDL)                  # late, as the INT4 words path
     return sum_last(total, 1)[None, :] * 1024.0                           # [1, BLOCK_N]: / X_SCALE
 
-
+# %% ../nbs/08_quant.ipynb #23b09399
 @triton.jit
 def _int8_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     "INT8, one row, blocks dividing the shape: products kept in a tile, reduced once after the loop -> [1, BLOCK_N]."
@@ -695,7 +695,7 @@ def _frozen(value):
     if isinstance(value, list): return tuple(_frozen(v) for v in value)
     return value
 
-
+# %% ../nbs/08_quant.ipynb #8ea1d728
 @functools.cache
 def quant_tables() -> Mapping:
     """`nanoserve/tables/quant.json`, read once: the rules' configs and the tuned tables keyed by (method, N, K)
@@ -724,7 +724,7 @@ def kernels_support(method: str, group_size: int | None) -> bool:
     "Whether the Triton kernels take this format (INT4 needs K tiles of >= 32 inside a group: group % 32 == 0)."
     return method == "int8" or (group_size is not None and group_size % 32 == 0)
 
-
+# %% ../nbs/08_quant.ipynb #72d639c9
 def choose_split_k(M: int, N: int, K: int, bits: int, block_n: int, block_k: int, sms: int, m_tiles: int = 1) -> int:
     "Split-K count (a function of the shapes only): about four programs an SM, no empty splits."
     num_tiles, progs = triton.cdiv(K, block_k), triton.cdiv(N, block_n) * m_tiles
@@ -742,7 +742,7 @@ def words_path(M: int, N: int, K: int, method: str, group_size: int | None, cfg:
     return (N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0 and rem == 0 and pow2(gpt) and pow2(group_size)
             and group_size >= 8)
 
-
+# %% ../nbs/08_quant.ipynb #c7687d89
 def gemv_config(M: int, N: int, K: int, method: str, group_size: int | None, sms: int,
                 config: Mapping | None = None, tuned: Mapping | None = None) -> dict:
     """The GEMV's blocks, warps, stages and split for one call: the rules, then the tuned entry for the shape
@@ -761,7 +761,7 @@ def gemv_config(M: int, N: int, K: int, method: str, group_size: int | None, sms
         cfg["SPLIT_K"] = choose_split_k(M, N, K, bits, cfg["BLOCK_N"], cfg["BLOCK_K"], sms)
     return cfg
 
-
+# %% ../nbs/08_quant.ipynb #f75f98ce
 def gemv_tile(N: int, K: int, group_size: int | None, tuned: Mapping | None = None) -> int:
     """The channels a tile of `tile_int4`'s layout for an INT4 [N, K] layer (0: rows): the one-row GEMV's `BLOCK_N`
     where its configuration asks for `TILED` and it reads words, a group a K tile."""
@@ -769,7 +769,7 @@ def gemv_tile(N: int, K: int, group_size: int | None, tuned: Mapping | None = No
     ok = bool(cfg.get("TILED")) and words_path(1, N, K, "int4", group_size, cfg) and cfg["BLOCK_K"] == group_size
     return cfg["BLOCK_N"] if ok else 0
 
-
+# %% ../nbs/08_quant.ipynb #77ba1346
 def f16_path(M: int, N: int, K: int, method: str, dtype: torch.dtype, cfg: Mapping) -> bool:
     """Whether the GEMV takes INT8 in packed fp16 pairs: asked (`F16`), one bf16 row, blocks dividing the shape, a
     K tile of whole word pairs."""
@@ -827,7 +827,7 @@ def _args(x, qweight, scales, zeros, bias):
     if x.stride(-1) != 1: x = x.contiguous()
     return x, (zeros if zeros is not None else scales), (bias if bias is not None else scales)
 
-
+# %% ../nbs/08_quant.ipynb #37fd25a1
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: Mapping | None = None, pdl: bool = False,
                tuned: Mapping | None = None) -> torch.Tensor:
@@ -868,7 +868,7 @@ def _compile_signature(kernel, c: dict, ints: dict, ptrs: dict):
         else: sig[n] = "constexpr"; consts[(i,)] = c[n]
     return sig, consts, attrs
 
-
+# %% ../nbs/08_quant.ipynb #896e82b7
 def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype = torch.bfloat16,
                     config: Mapping | None = None, pdl: bool = True, bias: bool = False, gemm: bool = False,
                     capability: int = 90, sms: int = 132, tile: int | None = None, tuned: Mapping | None = None,
@@ -919,7 +919,7 @@ def gemm_launch(M: int, N: int, K: int, method: str, group_size: int | None, sms
     return {"grid": (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split_k), "tiles_per_split": per,
             "constexprs": constexprs, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "pdl": False}
 
-
+# %% ../nbs/08_quant.ipynb #b4cd2030
 def quant_gemm(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: Mapping | None = None) -> torch.Tensor:
     "Tensor-core GEMM path (split-K while the output tiles are few): x [T, K] -> [T, N] in x's dtype."
@@ -948,7 +948,7 @@ def one_row_f16(N: int, K: int, method: str, dtype: torch.dtype) -> bool:
     "Whether one row of `dtype` activations through an INT8 [N, K] layer takes the GEMV's packed fp16 pairs."
     return f16_path(1, N, K, method, dtype, gemv_config(1, N, K, method, None, 132))   # (the split does not matter)
 
-
+# %% ../nbs/08_quant.ipynb #ddcce20b
 def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                  pdl: bool = False, tuned: Mapping | None = None,
                  few_rows_gemm: Mapping | None = None) -> torch.Tensor:
@@ -1052,13 +1052,13 @@ class QuantEmbedding(nn.Module):
         rows = dequantize(q, t.scales[flat], zeros, t.method, t.group_size, self.dtype)  # [T, K]
         return rows.reshape(*ids.shape, self.embedding_dim)                  # [..., K]
 
-
+# %% ../nbs/08_quant.ipynb #a61f7525
 def _quant_compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [S, vocab] in fp32 through the quantized LM head (joined by the model's `logits_gather`, if it has
     one), into `out` if given."""
     return self.finish_logits(self.quant_lm_head(hidden), out)               # [S, vocab]
 
-
+# %% ../nbs/08_quant.ipynb #b1858d92
 def _as_linear(weight: torch.Tensor) -> nn.Linear:
     "A bias-free `nn.Linear` view of a weight table [N, K] (no copy)."
     lin = nn.Linear(1, 1, bias=False, device="meta")
