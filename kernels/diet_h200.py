@@ -40,19 +40,51 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    Parity also checks the decode kernel with RoPE inside against `rope_cache` + the decode kernel, and
    `argmax_rows` against torch. Controls of the sixth round: `rope` ("rope_cache"), `argmax` ("torch argmax"),
    `both`.
+In the tutorials' order: parity checks (asserted where they must hold: fp32 greedy tokens identical, the decode
+kernel within bf16 rounding of its reference, RoPE inside the decode kernel identical to `rope_cache`, the norm
+taken into `gemv` identical, `argmax_rows` identical to torch's), then the timings, then the data (written after
+every part, through kernels/lab.py). The 7B weights are `nanoserve.bench.random_checkpoint("7B")`. `--smoke`:
+the parts without quantization or PDL (parity, profile, gemv, splits, rate, ab, nanovllm_ab, logits) on the
+built-in tiny model and tiny kernel shapes on the CPU under the Triton interpreter, written only to a temp folder.
 """
-import argparse, json, os, sys, time
+import random, sys, time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-import graphs_h200 as G                                      # noqa: E402  (steady decode, step rates, graph_bench)
-import mixed_graphs_h200 as M                                # noqa: E402  (nano-vllm's workload)
-from lab import meta                                         # noqa: E402
-from nanoserve.bench import random_checkpoint                # noqa: E402
-from nanoserve.engine import StepLedger                      # noqa: E402
+from lab import (LLM, SMOKE_ARGV, SamplingParams, StepLedger, agreeing_prefix, checkpoint, copies_for_l2,  # noqa: E402
+                 device_or_skip, drain, free, graph_bench, is_cuda, is_smoke, model_config,
+                 nanovllm, nanovllm_requests, operand_copies, parser, run_parts, saver, steady_decode, step_rates,
+                 sync, timed_generate, tiny_model, warm)
+
+import torch                                                 # noqa: E402
+import torch.nn.functional as F                              # noqa: E402
+
+from nanoserve.attention import (choose_num_splits, decode_attention, decode_attention_ref, rope_cache,  # noqa: E402
+                                 tile_n)
+from nanoserve.fused import add_rmsnorm, argmax_rows, gemv, gemv_config, silu_mul   # noqa: E402
+from nanoserve.measure import busy_share, event_record, is_device_kernel, profile_run, span_busy_share  # noqa: E402
+from nanoserve.model import SHAPES                           # noqa: E402
+from nanoserve.quant import quant_gemm, quant_gemv, quantize_int4, quantize_int8   # noqa: E402
+from nanoserve.runner import SamplingMetadata, sample         # noqa: E402
+from nanoserve.runtime import num_sms                        # noqa: E402
+
+DEVICE = torch.device("cpu" if SMOKE_ARGV else "cuda")      # the kernels' operands: the GPU, or the CPU of --smoke
+KDTYPE = torch.float32 if SMOKE_ARGV else torch.bfloat16    # the kernels' dtype (the interpreter has no bf16)
+# The sizes of a run: the GPU's, or the tiny ones of --smoke (the same code, seconds on a CPU under the interpreter).
+RUN = (dict(dtype="float32", kv_blocks=512, prompt_len=16, long_prompt=64, warm_steps=2, steps=2, rounds=2,
+            vocab=3072, hidden=64, parity_prompts=(7, 33, 64, 100), parity_tokens=8,
+            decode_cases=((1, 17), (3, 40)), splits=(1, 2), rope_cases=((1, 17, 1), (3, 40, 2)),
+            norm_shapes=((192, 64), (352, 64)), argmax_rows=(1, 8, 20), logits_rows=(1, 20),
+            split_cases=((1, 64), (2, 32))) if SMOKE_ARGV else
+       dict(dtype="bfloat16", kv_blocks=16384, prompt_len=128, long_prompt=2000, warm_steps=20, steps=200, rounds=None,
+            vocab=151936, hidden=896, parity_prompts=(7, 33, 64, 100, 130, 257, 1000, 1500), parity_tokens=48,
+            decode_cases=((1, 17), (3, 700), (64, 129), (8, 4000)), splits=(1, 2, 4, 8, 16),
+            rope_cases=((1, 17, 1), (1, 1000, 16), (3, 700, 8), (64, 129, 4), (256, 1024, 1)),
+            norm_shapes=((1152, 896), (9728, 896), (4608, 3584), (37888, 3584)), argmax_rows=(1, 8, 64, 256),
+            logits_rows=(1, 16, 64, 256),
+            split_cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
+                         (64, 256))))
 
 # The controls a configuration's name asks for, as engine overrides (`LLM(..., **controls(name))`): each phrase in
 # the name turns one of the engine's kernel fields to its control value.
@@ -69,10 +101,11 @@ def controls(cname: str) -> dict:
 
 
 
-def rates(model_dir, res, shape, batches, configs, key="rate"):
-    "`graphs_h200.step_rates` per configuration, its named controls passed to the engine; rows under `key`."
+def rates(model_dir, res, shape, batches, configs, key="rate", **kw_rates):
+    "`lab.step_rates` per configuration, its named controls passed to the engine; rows under `key`."
     for cname, kw in configs:
-        G.step_rates(model_dir, res, shape, batches, [(cname, {**kw, **controls(cname)})], key)
+        step_rates(model_dir, res, shape, batches, [(cname, {**kw, **controls(cname)})], key, dtype=RUN["dtype"],
+                   **kw_rates)
 
 
 def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(("defaults", {}),)):
@@ -83,27 +116,26 @@ def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(
 
 
 def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
-    from nanoserve.measure import busy_share, event_record, is_device_kernel, profile_run, span_busy_share, warm_gpu
-    llm = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384, max_num_seqs=max(batches), **kw)
+    llm = LLM(model_dir, dtype=RUN["dtype"], num_kv_blocks=RUN["kv_blocks"], max_num_seqs=max(batches), **kw)
     unprofiled = {}
     for b in batches:        # first, before any profiler in the process (once started, it slows the host for good)
-        G.steady_decode(llm, b)
-        warm_gpu(1.0, llm.device)
-        for _ in range(20): llm.step()
+        steady_decode(llm, b, RUN["prompt_len"])
+        warm(llm.device, 1.0)
+        for _ in range(RUN["warm_steps"]): llm.step()
         times, span_share, span_ms = [], [], []
         for _ in range(2):            # the step rate, twice, un-profiled, no ledger; each step's device span by events
             llm.runner.step_spans = []
-            torch.cuda.synchronize(); t0 = time.perf_counter()
+            sync(DEVICE); t0 = time.perf_counter()
             for _ in range(rate_steps): llm.step()
-            torch.cuda.synchronize(); times.append((time.perf_counter() - t0) / rate_steps * 1e3)
+            sync(DEVICE); times.append((time.perf_counter() - t0) / rate_steps * 1e3)
             sp, llm.runner.step_spans = llm.runner.step_spans, None
-            span_share.append(span_busy_share(sp))
-            span_ms.append(sum(a.elapsed_time(e) for a, e in sp) / len(sp))
+            span_share.append(span_busy_share(sp) if sp else None)     # no device spans on a CPU
+            span_ms.append(sum(a.elapsed_time(e) for a, e in sp) / len(sp) if sp else None)
         unprofiled[b] = times, span_share, span_ms
     for b in batches:
-        G.steady_decode(llm, b)
-        warm_gpu(1.0, llm.device)
-        for _ in range(20): llm.step()
+        steady_decode(llm, b, RUN["prompt_len"])
+        warm(llm.device, 1.0)
+        for _ in range(RUN["warm_steps"]): llm.step()
         times, span_share, span_ms = unprofiled[b]
         llm.ledger = StepLedger()                            # host phases (the ledger adds two events per step)
         for _ in range(rate_steps): llm.step()
@@ -111,11 +143,11 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
         llm.ledger = None
         with profile_run(llm.device) as run:
             for _ in range(steps): llm.step()
-            torch.cuda.synchronize()
+            sync(DEVICE)
         try:                                                   # device activity only: the host as unprofiled
             with profile_run(llm.device, host_ops=False) as drun:
                 for _ in range(steps): llm.step()
-                torch.cuda.synchronize()
+                sync(DEVICE)
             device_only = {"busy_share_device_only": busy_share(drun),
                            "device_only_wall_ms_per_step": drun.wall_s * 1e3 / steps,
                            "device_only_kernels_per_step": drun.num_kernels / steps}
@@ -139,7 +171,7 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
         gaps = [b0 - a1 for (_, a1), (b0, _) in zip(spans, spans[1:])]
         gaps_small = [g for g in gaps if 0 <= g < 20]        # between kernels of one graph (a step's gaps are larger)
         row = {"batch": b, "ms_per_step": times, "span_busy_share": span_share, "span_ms_per_step": span_ms,
-               "busy_share": busy_share(run), "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
+               "busy_share": busy_share(run) if is_cuda(llm.device) else None, "disagree": abs(times[0] - times[1]) > 0.15 * min(times),
                "profiled_wall_ms_per_step": run.wall_s * 1e3 / steps,
                **device_only,
                "kernels_per_step": len(spans) / steps,
@@ -159,59 +191,63 @@ def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
         print("  marginal", [(k[:40], round(v, 1)) for k, v in list(row["marginal_us_by_name"].items())[:14]],
               flush=True)
         out[b] = row
-    for i in list(llm._requests): llm.abort_request(i)
-    while llm._inflight is not None: llm.step()
-    del llm; torch.cuda.empty_cache()
+    drain(llm)
+    del llm; free()
 
 
 def parity(model_dir, res):
     "Greedy tokens, GPU defaults against enforce_eager (fp32 identical; bf16 reported); decode kernel vs reference."
-    import random
-    from nanoserve.attention import decode_attention, decode_attention_ref
     g = random.Random(5)
-    prompts = [[g.randrange(151936) for _ in range(n)] for n in (7, 33, 64, 100, 130, 257, 1000, 1500)]
-    sp = G.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [[g.randrange(RUN["vocab"]) for _ in range(n)] for n in RUN["parity_prompts"]]
+    sp = SamplingParams(max_tokens=RUN["parity_tokens"], temperature=0, ignore_eos=True)
     out = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", RUN["dtype"]) if RUN["dtype"] != "float32" else ("float32",):
         toks = {}
         for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
                          ("defaults", {})):
-            llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=8, **kw)
+            llm = LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=8, **kw)
             toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
-            del llm; torch.cuda.empty_cache()
+            drain(llm); del llm; free()
         a, b = toks["eager"], toks["defaults"]
         out[dtype] = {"sequences": len(a), "identical": sum(x == y for x, y in zip(a, b)),
-                      "agreeing_prefixes": [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
-                                            for x, y in zip(a, b)]}
+                      "agreeing_prefixes": [agreeing_prefix(x, y) for x, y in zip(a, b)]}
         print("parity", dtype, out[dtype], flush=True)
+    assert out["float32"]["identical"] == out["float32"]["sequences"], out["float32"]
     rows = []
     torch.manual_seed(0)
-    for B, ctx in ((1, 17), (3, 700), (64, 129), (8, 4000)):
+    for B, ctx in RUN["decode_cases"]:
         H, KVH, D, bs = 14, 2, 64, 16
         nblk = (ctx + bs - 1) // bs
-        k = torch.randn(B * nblk + 4, bs, KVH, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B * nblk + 4, bs, KVH, D, device=DEVICE, dtype=KDTYPE)
         v = torch.randn_like(k)
-        table = torch.randperm(B * nblk + 4, device="cuda")[:B * nblk].view(B, nblk)   # [B, nblk]
-        lens = torch.randint(1, ctx + 1, (B,), device="cuda")
-        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(B * nblk + 4, device=DEVICE)[:B * nblk].view(B, nblk)   # [B, nblk]
+        lens = torch.randint(1, ctx + 1, (B,), device=DEVICE)
+        q = torch.randn(B, H, D, device=DEVICE, dtype=KDTYPE)
         ref = decode_attention_ref(q.float(), k.float(), v.float(), table, lens, D ** -0.5)
-        for splits in (1, 2, 4, 8, 16):
+        for splits in RUN["splits"]:
             for _ in range(3):                                                 # replays reuse the counters
                 o = decode_attention(q, k, v, table, lens, D ** -0.5, bs, num_splits=splits)
             rows.append({"B": B, "ctx": ctx, "splits": splits,
                          "max_abs_err": (o.float() - ref).abs().max().item()})
     out["decode_kernel"] = rows
     print("decode kernel worst", max(r["max_abs_err"] for r in rows), flush=True)
+    assert max(r["max_abs_err"] for r in rows) < 0.05, "the decode kernel strays from its reference"    # bf16 rounding
     out["rope_in_decode"] = rope_in_decode_parity()
+    assert all(r["out_identical"] and r["caches_identical"] for r in out["rope_in_decode"]), out["rope_in_decode"]
     out["batch1"] = batch1_parity(model_dir, prompts[:4])
+    assert all(v == out["batch1"]["float32"]["sequences"] for v in out["batch1"]["float32"].values()), out["batch1"]
     out["norm_gemv"] = norm_gemv_parity()
-    from nanoserve.fused import argmax_rows
+    exact = KDTYPE == torch.bfloat16     # bf16 outputs bit for bit; fp32 (--smoke) within its rounding
+    assert all(r["residual_identical"] and (r["identical"] if exact else r["max_abs_diff"] <= 1e-6 * r["max_abs"])
+               for r in out["norm_gemv"]), "the norm taken into gemv differs from add_rmsnorm then gemv"
     out["argmax_rows"] = []
-    for B in (1, 8, 64, 256):
-        x = torch.randn(B, 151936, device="cuda")
-        x[0, 7] = x[0, 150000] = x[0].max() + 1                   # a tie: the first index wins
+    V = RUN["vocab"]
+    for B in RUN["argmax_rows"]:
+        x = torch.randn(B, V, device=DEVICE)
+        x[0, 7] = x[0, V - 1936] = x[0].max() + 1                 # a tie: the first index wins
         out["argmax_rows"].append({"B": B, "identical": all(torch.equal(argmax_rows(x), x.argmax(-1)) for _ in range(3))})
     print("argmax_rows", out["argmax_rows"], flush=True)
+    assert all(r["identical"] for r in out["argmax_rows"]), out["argmax_rows"]
     res["parity"] = out
 
 
@@ -220,23 +256,22 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
     e.g. "norm kernel", "rope_cache, torch argmax"; each engine captured under its own settings), both built first, then timed in
     alternating passes (ABAB...) so that drift of the GPU or the host falls on both alike; every pass is kept.
     Every round starts new sequences (prompts of `prompt_lens`), so each pass decodes over the same contexts."""
-    from nanoserve.measure import warm_gpu
     engines, cname = {}, {"defaults": "defaults", "before": before}
     for name in ("defaults", "before"):
-        engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=16384 if shape == "0.5B" else 4096,
-                              max_num_seqs=max(batches), max_num_batched_tokens=2048, **controls(cname[name]))
+        engines[name] = LLM(model_dir, dtype=RUN["dtype"], num_kv_blocks={"0.5B": 16384, "7B": 4096}.get(shape, 512),
+                            max_num_seqs=max(batches), max_num_batched_tokens=2048, **controls(cname[name]))
     out = res.setdefault("interleaved", [])
     for b, plen in ((b, p) for p in prompt_lens for b in batches):
         row = {"shape": shape, "batch": b, "prompt_len": plen, "before": before, "ms_per_step": {n: [] for n in engines}}
         for _ in range(rounds):
             for name, llm in engines.items():                  # the same contexts every round (+ 220)
-                G.steady_decode(llm, b, plen)
+                steady_decode(llm, b, plen)
             for name, llm in engines.items():
-                warm_gpu(0.3, llm.device)
-                for _ in range(20): llm.step()
-                torch.cuda.synchronize(); t0 = time.perf_counter()
+                warm(llm.device, 0.3)
+                for _ in range(RUN["warm_steps"]): llm.step()
+                sync(DEVICE); t0 = time.perf_counter()
                 for _ in range(steps): llm.step()
-                torch.cuda.synchronize()
+                sync(DEVICE)
                 row["ms_per_step"][name].append((time.perf_counter() - t0) / steps * 1e3)
         med = {n: sorted(v)[len(v) // 2] for n, v in row["ms_per_step"].items()}
         row["median_ms"], row["ratio_before_over_defaults"] = med, med["before"] / med["defaults"]
@@ -244,27 +279,25 @@ def interleaved(model_dir, res, shape, batches=(1,), rounds=4, steps=200, prompt
         print("interleaved", shape, b, plen, {n: [round(x, 3) for x in v] for n, v in row["ms_per_step"].items()},
               "median", {n: round(x, 3) for n, x in med.items()}, flush=True)
         out.append(row)
-    for llm in engines.values():
-        for i in list(llm._requests): llm.abort_request(i)
-        while llm._inflight is not None: llm.step()
-    del engines; torch.cuda.empty_cache()
+    for llm in engines.values(): drain(llm)
+    del engines; free()
 
 
 def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits", before_first=False, key="nanovllm_ab"):
     """nano-vllm's workload (256 requests, 100..1024 in and out, greedy, EOS ignored) on the defaults and on `before`,
     both engines built first (the same KV cache, 36,000 blocks: no preemption), then run in alternating passes, the
     order swapped every round (ABBAAB...)."""
-    from graphs_h200 import nanovllm_requests, timed_generate
-    reqs, sp = nanovllm_requests()
     cname, engines = {"defaults": "defaults", "before": before}, {}
     for name in (reversed(list(cname)) if before_first else cname):          # `before_first`: built first
-        engines[name] = G.LLM(model_dir, dtype="bfloat16", num_kv_blocks=36000, max_num_seqs=256,
-                              max_num_batched_tokens=16384, **controls(cname[name]))
+        engines[name] = LLM(model_dir, dtype=RUN["dtype"], num_kv_blocks=512 if SMOKE_ARGV else 36000,
+                            max_num_seqs=256, max_num_batched_tokens=16384, **controls(cname[name]))
+    llm = engines["defaults"]
+    reqs, sp = nanovllm_requests(llm.config.vocab_size, llm.max_model_len, smoke=SMOKE_ARGV)
     tps = {n: [] for n in cname}
     for i in range(rounds):                                    # ABBA...: neither always runs first
         for name in (list(cname) if i % 2 == 0 else list(reversed(cname))):
             llm = engines[name]
-            n, times, _ = timed_generate(llm, reqs, sp, 1, name)
+            n, times, _ = timed_generate(llm, reqs, sp, 1, name, warm_s=0.0 if SMOKE_ARGV else 3.0)
             tps[name].append(n / times[0])
     med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
     res[key] = {"before": before, "before_built_first": before_first, "output_tokens": n,
@@ -272,34 +305,50 @@ def nanovllm_ab(model_dir, res, rounds=3, before="fp32 logits", before_first=Fal
                 "ratio_defaults_over_before": med["defaults"] / med["before"],
                 "passes_disagree": {k: max(v) > 1.15 * min(v) for k, v in tps.items()}}
     print("nanovllm A/B", before, {k: [round(x) for x in v] for k, v in tps.items()}, flush=True)
-    del engines; torch.cuda.empty_cache()
+    for llm in engines.values(): drain(llm)
+    del engines, llm; free()
+
+
+def greedy_metadata(rows: int) -> SamplingMetadata:
+    "The sampler's parameters for `rows` greedy rows (temperature 0): `sample` then takes the engine's argmax."
+    zeros = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    return SamplingMetadata(torch.zeros(rows, device=DEVICE), torch.ones(rows, device=DEVICE), zeros, zeros, zeros)
+
+
+def us_per_call(f, reps: int) -> float:
+    "Microseconds a call of `f` over `reps` back-to-back calls: one pair of CUDA events around them (the host's clock on a CPU)."
+    if not is_cuda(DEVICE):
+        t0 = time.perf_counter()
+        for _ in range(reps): f()
+        return (time.perf_counter() - t0) * 1e6 / reps
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps): f()
+    b.record(); sync(DEVICE)
+    return a.elapsed_time(b) * 1e3 / reps
 
 
 def logits_micro(res, reps=50):
     """The LM head and greedy argmax of the 0.5B shape at 1, 16, 64 and 256 rows, each way round: bf16 logits written
     by the product (`torch.mm(out=)`, the defaults) against `F.linear` cast into an fp32 buffer (the control); us per
     call from CUDA events over `reps` calls, each way timed twice, alternating."""
-    from nanoserve.runner import _argmax
     torch.manual_seed(3)
-    V, H = 151936, 896
-    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    V, H = RUN["vocab"], RUN["hidden"]
+    w = torch.randn(V, H, device=DEVICE, dtype=KDTYPE) * 0.02
     rows = []
-    for B in (1, 16, 64, 256):
-        hid = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
-        buf16 = torch.empty(B, V, device="cuda", dtype=torch.bfloat16)
-        buf32 = torch.empty(B, V, device="cuda", dtype=torch.float32)
-        ways = {"bf16 logits": lambda: _argmax(torch.mm(hid, w.t(), out=buf16)),
-                "fp32 logits": lambda: _argmax(buf32.copy_(torch.nn.functional.linear(hid, w)))}
+    for B in RUN["logits_rows"]:
+        hid = torch.randn(B, H, device=DEVICE, dtype=KDTYPE)
+        buf16 = torch.empty(B, V, device=DEVICE, dtype=KDTYPE)
+        buf32 = torch.empty(B, V, device=DEVICE, dtype=torch.float32)
+        m = greedy_metadata(B)            # the engine's greedy argmax (`fast_argmax`: argmax_rows up to 16 rows)
+        ways = {"bf16 logits": lambda: sample(torch.mm(hid, w.t(), out=buf16), m, fast_argmax=True),
+                "fp32 logits": lambda: sample(buf32.copy_(F.linear(hid, w)), m, fast_argmax=True)}
         assert torch.equal(ways["bf16 logits"](), ways["fp32 logits"]())
         us = {k: [] for k in ways}
         for _ in range(2):
             for k, f in ways.items():
                 for _ in range(5): f()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(reps): f()
-                b.record(); torch.cuda.synchronize()
-                us[k].append(a.elapsed_time(b) * 1e3 / reps)
+                us[k].append(us_per_call(f, reps))
         rows.append({"rows": B, "us": us})
         print("logits", B, {k: [round(x, 1) for x in v] for k, v in us.items()}, flush=True)
     res["logits_micro"] = rows
@@ -308,16 +357,16 @@ def logits_micro(res, reps=50):
 def batch1_parity(model_dir, prompts):
     """Greedy tokens at batch 1 (one sequence at a time: every decode step takes the one-row path), the defaults
     against enforce_eager (fp32) and against the seventh round's control (fp32 and bf16)."""
-    sp = G.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=RUN["parity_tokens"], temperature=0, ignore_eos=True)
     out = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", RUN["dtype"]) if RUN["dtype"] != "float32" else ("float32",):
         toks = {}
         for name, kw in (("eager", dict(enforce_eager=True, async_scheduling=False, fused_kernels=False)),
                          ("defaults", {}), ("norm kernel, fp32 logits, loads apart", {})):
             if name == "eager" and dtype == "bfloat16": continue
-            llm = G.LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw, **controls(name))
+            llm = LLM(model_dir, dtype=dtype, num_kv_blocks=2048, max_num_seqs=1, **kw, **controls(name))
             toks[name] = [o.token_ids for o in llm.generate(prompts, sp)]
-            del llm; torch.cuda.empty_cache()
+            drain(llm); del llm; free()
         d = toks["defaults"]
         out[dtype] = {n: sum(x == y for x, y in zip(d, t)) for n, t in toks.items() if n != "defaults"}
         out[dtype]["sequences"] = len(d)
@@ -328,16 +377,15 @@ def batch1_parity(model_dir, prompts):
 def norm_gemv_parity():
     """`gemv` with the RMSNorm taken in against `add_rmsnorm` then `gemv`, bf16, the QKV and gate/up shapes of the
     0.5B and 7B models, with and without a residual: outputs and new residuals compared bit for bit."""
-    from nanoserve.fused import add_rmsnorm, gemv
     rows = []
     torch.manual_seed(2)
-    for N, K in ((1152, 896), (9728, 896), (4608, 3584), (37888, 3584)):
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16) if N in (1152, 4608) else None
-        nw = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+    for j, (N, K) in enumerate(RUN["norm_shapes"]):       # (QKV, gate/up) of each model: the QKV ones with a bias
+        w = torch.randn(N, K, device=DEVICE, dtype=KDTYPE) * 0.02
+        b = torch.randn(N, device=DEVICE, dtype=KDTYPE) if j % 2 == 0 else None
+        nw = torch.rand(K, device=DEVICE, dtype=KDTYPE) + 0.5
         for res in (False, True):
             for _ in range(3):
-                x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16) * 4
+                x = torch.randn(1, K, device=DEVICE, dtype=KDTYPE) * 4
                 r = torch.randn_like(x) * 4 if res else None
                 h, want_r = add_rmsnorm(x, r, nw, 1e-6) if res else (add_rmsnorm(x, None, nw, 1e-6), x)
                 want = gemv(h, w, b)
@@ -353,21 +401,20 @@ def norm_gemv_parity():
 
 def rope_in_decode_parity():
     "The decode kernel with RoPE and the cache write inside against `rope_cache` + the decode kernel, bf16."
-    from nanoserve.attention import decode_attention, rope_cache
     rows = []
     torch.manual_seed(1)
     H, KVH, D, bs = 14, 2, 64, 16
-    for B, ctx, splits in ((1, 17, 1), (1, 1000, 16), (3, 700, 8), (64, 129, 4), (256, 1024, 1)):
+    for B, ctx, splits in RUN["rope_cases"]:
         nblk = (ctx + bs - 1) // bs
-        kc = torch.randn(B * nblk + 4, bs, KVH, D, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(B * nblk + 4, bs, KVH, D, device=DEVICE, dtype=KDTYPE)
         vc = torch.randn_like(kc)
-        table = torch.randperm(B * nblk + 4, device="cuda")[:B * nblk].view(B, nblk)   # [B, nblk]
-        lens = torch.randint(1, ctx + 1, (B,), device="cuda")
+        table = torch.randperm(B * nblk + 4, device=DEVICE)[:B * nblk].view(B, nblk)   # [B, nblk]
+        lens = torch.randint(1, ctx + 1, (B,), device=DEVICE)
         last = lens - 1
-        slots = table[torch.arange(B, device="cuda"), last // bs] * bs + last % bs
-        qkv = torch.randn(B, (H + 2 * KVH) * D, device="cuda", dtype=torch.bfloat16)
-        ang = torch.rand(B, D // 2, device="cuda") * 6
-        cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
+        slots = table[torch.arange(B, device=DEVICE), last // bs] * bs + last % bs
+        qkv = torch.randn(B, (H + 2 * KVH) * D, device=DEVICE, dtype=KDTYPE)
+        ang = torch.rand(B, D // 2, device=DEVICE) * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(KDTYPE), torch.cat([ang.sin()] * 2, -1).to(KDTYPE)
         k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
         q = rope_cache(qkv, cos, sin, slots, k1, v1, H, KVH)
         a = decode_attention(q, k1, v1, table, lens, D ** -0.5, ctx, num_splits=splits)
@@ -383,8 +430,7 @@ def rope_in_decode_parity():
 
 def layer_shapes(shape):
     "(name, N, K, act, bias) of one layer's projections, as `gemv` takes them (down_proj with the activation)."
-    from nanoserve.model import SHAPES
-    c = SHAPES[shape]
+    c = SHAPES[shape] if shape in SHAPES else model_config(tiny_model())      # "tiny": the built-in model (--smoke)
     h, i, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
     d = h // heads
     return [("qkv_proj", (heads + 2 * kvh) * d, h, False, True), ("o_proj", h, h, False, False),
@@ -393,20 +439,19 @@ def layer_shapes(shape):
 
 def layer_operands(N: int, K: int, act: bool, bias: bool, copies: bool = True):
     "Seeded random bf16 operands of one projection at one row, and (`copies`) enough weight copies for graph_bench."
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
-    x = torch.randn(1, 2 * K if act else K, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w = torch.randn(N, K, device=DEVICE, dtype=KDTYPE, generator=g) * 0.02
+    b = torch.randn(N, device=DEVICE, dtype=KDTYPE, generator=g) if bias else None
+    x = torch.randn(1, 2 * K if act else K, device=DEVICE, dtype=KDTYPE, generator=g)
     nbytes = 2 * N * K
-    return w, b, x, nbytes, [w] + [w.clone() for _ in range(G.copies_for_l2(nbytes) - 1 if copies else 0)]
+    return w, b, x, nbytes, [w] + [w.clone() for _ in range(copies_for_l2(nbytes) - 1 if copies else 0)]
 
 
 def quantized_copies(w: torch.Tensor, method: str):
     "`w` quantized (INT4: groups of 128), copies of it for graph_bench, and the bytes of one quantized weight."
-    from nanoserve.quant import quantize_int4, quantize_int8
     q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
     qb = q[0].numel() * q[0].element_size()
-    return q, G.operand_copies(q, qb), qb
+    return q, operand_copies(q, qb), qb
 
 
 def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
@@ -414,9 +459,7 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
     candidate blocks (the first, `{}`, is the package's own choice), each timed by graph_bench; the best config per
     shape is recorded, not applied (the package's table, nanoserve/tables/gemv.json, is data: a sweep proposes, a
     commit changes it). Also each shape's error against an fp32 reference."""
-    import torch.nn.functional as F
-    from nanoserve.fused import gemv, gemv_config, silu_mul
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(DEVICE)
     out = res["gemv"] = {"timer": "graph_bench (us per call)", "rows": [], "chosen": {}, "pdl": pdl}
     cands = [{}] + [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for k in (1024, 512, 256, 128) for n in (8, 16, 32)
                     for w in (4, 8)]           # 1024 first: a whole 896-wide row in one tile, loaded before the wait
@@ -429,21 +472,21 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
             err = ((gemv(x, w, b, act).float() - ref).abs().max() / ref.abs().max()).item()
             cub = (lambda i: (lambda: F.linear(silu_mul(x), ws[i], b))) if act else (lambda i: (lambda: F.linear(x, ws[i], b)))
             row = {"shape": shape, "layer": name, "N": N, "K": K, "act": act, "rel_err_vs_fp32": err,
-                   "cublas_us": G.graph_bench(cub, nbytes)}
+                   "cublas_us": graph_bench(cub, nbytes)}
             layers.append((row, x, ws, b, act, nbytes))
             out["rows"].append(row)
     for row, x, ws, b, act, nbytes in layers:
         best = None
         for cfg in cands:
             if time.perf_counter() - t0 > budget_s and cfg: break
-            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, cfg, pdl=pdl)), nbytes))
+            us = min(graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, cfg, pdl=pdl)), nbytes))
             row.setdefault("gemv_us", []).append({**cfg, "us": us})
             if best is None or us < best[0]: best = (us, cfg)
         full = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
         for sk in (1, 2, 4, 8, 16):                                    # the winner's blocks with other splits
             if sk == full["SPLIT_K"]: continue
             c = {**full, "SPLIT_K": sk}
-            us = min(G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c, pdl=pdl)), nbytes))
+            us = min(graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, c, pdl=pdl)), nbytes))
             row["gemv_us"].append({**c, "us": us})
             if us < best[0]: best = (us, c)
         chosen = {k: v for k, v in gemv_config(row["N"], row["K"], sms, best[1]).items() if k != "tiles_per_split"}
@@ -453,12 +496,11 @@ def gemv_sweep(res, shapes=("0.5B", "7B"), budget_s=75.0, pdl=True):
         row["GBps"] = nbytes / (best[0] * 1e-6) / 1e9
         print("gemv", row["shape"], row["layer"], f"cublas {min(row['cublas_us']):.1f} us, gemv {best[0]:.1f} us",
               chosen, f"err {row['rel_err_vs_fp32']:.1e}", flush=True)
-    del layers; torch.cuda.empty_cache()
+    del layers; free()
 
 
 def gemv_pdl(res, shapes=("0.5B", "7B")):
     "Each one-row projection's `gemv` (tuned config) in CUDA graphs of back-to-back calls, PDL on and off."
-    from nanoserve.fused import gemv
     rows = res.setdefault("gemv_pdl", [])
     for shape in shapes:
         for name, N, K, act, bias in layer_shapes(shape):
@@ -466,29 +508,27 @@ def gemv_pdl(res, shapes=("0.5B", "7B")):
             same = torch.equal(gemv(x, w, b, act, pdl=True), gemv(x, w, b, act, pdl=False))
             row = {"shape": shape, "layer": name, "N": N, "K": K, "act": act, "identical": same}
             for pdl in (False, True):
-                row[f"pdl={pdl}_us"] = G.graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, pdl=pdl)), nbytes)
+                row[f"pdl={pdl}_us"] = graph_bench(lambda i: (lambda: gemv(x, ws[i], b, act, pdl=pdl)), nbytes)
             row["speedup"] = min(row["pdl=False_us"]) / min(row["pdl=True_us"])
             print("gemv_pdl", row, flush=True)
             rows.append(row)
             if shape == "7B":                                  # the quantized GEMV of the same layer
-                from nanoserve.quant import quant_gemv
                 for method in ("int8", "int4"):
                     _, qs, qb = quantized_copies(w, method)
                     xq = x[:, :K].contiguous()
                     qrow = {"shape": shape, "layer": name, "method": method}
                     for pdl in (False, True):
-                        qrow[f"pdl={pdl}_us"] = G.graph_bench(
+                        qrow[f"pdl={pdl}_us"] = graph_bench(
                             lambda i: (lambda: quant_gemv(xq, *qs[i], b, method, 128, pdl=pdl)), qb)
                     qrow["speedup"] = min(qrow["pdl=False_us"]) / min(qrow["pdl=True_us"])
                     print("quant_gemv_pdl", qrow, flush=True)
                     rows.append(qrow)
                     del qs
-            del ws; torch.cuda.empty_cache()
+            del ws; free()
 
 
 def quant_one_row(res, budget_s=60.0):
     "The 7B projections at one row, quantized: the FMA GEMV (tuned) against the tensor-core GEMM path (16-row tiles)."
-    from nanoserve.quant import quant_gemm, quant_gemv
     rows = res.setdefault("quant_one_row", [])
     t0 = time.perf_counter()
     cands = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
@@ -498,14 +538,14 @@ def quant_one_row(res, budget_s=60.0):
         for method in ("int8", "int4"):
             q, qs, qb = quantized_copies(w, method)
             ref = quant_gemv(x, *q, b, method, 128).float()
-            row = {"layer": name, "method": method, "gemv_us": min(G.graph_bench(
+            row = {"layer": name, "method": method, "gemv_us": min(graph_bench(
                 lambda i: (lambda: quant_gemv(x, *qs[i], b, method, 128)), qb)), "gemm": []}
             for cfg in cands:
                 if time.perf_counter() - t0 > budget_s: break
                 try:
                     err = ((quant_gemm(x, *q, b, method, 128, config=cfg).float() - ref).abs().max()
                            / ref.abs().max()).item()
-                    us = min(G.graph_bench(lambda i: (lambda: quant_gemm(x, *qs[i], b, method, 128, config=cfg)), qb))
+                    us = min(graph_bench(lambda i: (lambda: quant_gemm(x, *qs[i], b, method, 128, config=cfg)), qb))
                 except Exception as e:                      # a config that does not compile (shared memory)
                     row["gemm"].append({**cfg, "error": str(e)[:80]}); continue
                 row["gemm"].append({**cfg, "us": us, "rel_err": err})
@@ -517,55 +557,52 @@ def quant_one_row(res, budget_s=60.0):
                   row.get("best_gemm"), flush=True)
             rows.append(row)
             del qs
-        del w; torch.cuda.empty_cache()
+        del w; free()
 
 
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
                              (64, 256)), splits=(1, 2, 4, 8, 16)):
     """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
     cases and split counts, timed by graph_bench over KV-cache copies; with the split the package's rule picks."""
-    from nanoserve.attention import choose_num_splits, decode_attention, tile_n
-    from nanoserve.runtime import num_sms
     H, KVH, D, bs = 14, 2, 64, 16
     rows = res["splits"] = []
     for B, ctx in cases:
         nblk = ctx // bs
         nbytes = 2 * B * ctx * KVH * D * 2                      # K and V bytes the step reads
-        R = G.copies_for_l2(nbytes)
-        caches = [(torch.randn(B * nblk, bs, KVH, D, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(B * nblk, bs, KVH, D, device="cuda", dtype=torch.bfloat16)) for _ in range(R)]
-        table = torch.randperm(B * nblk, device="cuda").view(B, nblk)                      # [B, nblk]
-        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
-        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        R = copies_for_l2(nbytes)
+        caches = [(torch.randn(B * nblk, bs, KVH, D, device=DEVICE, dtype=KDTYPE),
+                   torch.randn(B * nblk, bs, KVH, D, device=DEVICE, dtype=KDTYPE)) for _ in range(R)]
+        table = torch.randperm(B * nblk, device=DEVICE).view(B, nblk)                      # [B, nblk]
+        lens = torch.full((B,), ctx, device=DEVICE, dtype=torch.int64)
+        q = torch.randn(B, H, D, device=DEVICE, dtype=KDTYPE)
         row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, tile_n(bs, D), num_sms(q.device)),
                "us": {}}
         for sp in splits:
             if sp > ctx // tile_n(bs, D): continue
-            row["us"][sp] = min(G.graph_bench(lambda i: (lambda: decode_attention(q, caches[i][0], caches[i][1], table,
+            row["us"][sp] = min(graph_bench(lambda i: (lambda: decode_attention(q, caches[i][0], caches[i][1], table,
                                                                                    lens, D ** -0.5, ctx, num_splits=sp)),
                                               nbytes))
         row["best"] = min(row["us"], key=row["us"].get)
         print("splits", B, ctx, "rule", row["rule"], {k: round(v, 1) for k, v in row["us"].items()}, flush=True)
         rows.append(row)
-        del caches; torch.cuda.empty_cache()
+        del caches; free()
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="profile")
+    ap = parser(__doc__, parts="profile")
     ap.add_argument("--controls", default="row_gemv",
                     help="comma list of controls run beside the defaults: row_gemv, pdl, rope, argmax, both, norm, "
                          "logits, round7, loads, round7b (each an engine override; see CONTROL_PHRASES)")
     ap.add_argument("--before", default="norm kernel, fp32 logits",
                     help="ab, ab7b: the configuration the defaults are timed against; ab1: a ';' list of them")
     args = ap.parse_args()
-    res = {"meta": meta(),
-           "command": f"PYTHONPATH=. python kernels/diet_h200.py --parts {args.parts} --controls {args.controls}"
-                      + (f" --before '{args.before}'" if "ab" in args.parts.split(",") or "ab1" in args.parts.split(",")
-                         or "ab7b" in args.parts.split(",") else "")}
-    out = Path(args.out) / "diet_h200.json"
-    d05 = random_checkpoint("0.5B")
+    device_or_skip(args)
+    smoke = is_smoke(args)
+    if smoke and args.parts == "profile": args.parts = "parity,profile,gemv,splits,rate,ab,nanovllm_ab,logits"
+    res = {"controls": args.controls, "before": args.before}
+    d05, s05 = checkpoint("0.5B", args)
+    seven = lambda: checkpoint("7B", args)[0]
+    s7 = "tiny" if smoke else "7B"
     named = {"row_gemv": ("row_gemv=False", {"row_gemv": False}), "pdl": ("pdl=False", {"pdl": False}),
              "rope": ("rope_cache", {}), "argmax": ("torch argmax", {}),
              "both": ("rope_cache, torch argmax", {}), "norm": ("norm kernel", {}),
@@ -576,40 +613,43 @@ def main():
         ("int8 lm_head", {"quantization": "int8", "quantize_lm_head": True}),   # the LM head quantized too
         ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True}))
     quant05 = tuple((f"{m} defaults", {"quantization": m}) for m in ("int8", "int4"))
-    parts = {"gemv": lambda: gemv_sweep(res), "splits": lambda: split_sweep(res),
+    tiny = dict(steps=2, rate_steps=4) if smoke else {}
+    ab_kw = dict(batches=(1, 4), rounds=2, steps=4, prompt_lens=(16, 64)) if smoke else \
+        dict(batches=(1, 64), rounds=6, prompt_lens=(128, 2000))
+    b3 = [1, 4] if smoke else [1, 8, 64]
+    rate_kw = dict(steps=4, prompt_len=16) if smoke else {}
+    parts = {"gemv": lambda: gemv_sweep(res, **(dict(shapes=("tiny",), budget_s=0.0, pdl=False) if smoke else {})),
+             "splits": lambda: split_sweep(res, RUN["split_cases"], RUN["splits"]),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
-             "ab": lambda: interleaved(d05, res, "0.5B", batches=(1, 64), rounds=6, prompt_lens=(128, 2000),
-                                       before=args.before.split(";")[0]),
-             "ab1": lambda: [interleaved(d05, res, "0.5B", batches=(1,), rounds=10, before=b)
+             "ab": lambda: interleaved(d05, res, s05, **ab_kw, before=args.before.split(";")[0]),
+             "ab1": lambda: [interleaved(d05, res, s05, batches=(1,), rounds=10, before=b)
                              for b in args.before.split(";")],
-             "ab1long": lambda: [interleaved(d05, res, "0.5B", batches=(1,), rounds=20, before=b)
+             "ab1long": lambda: [interleaved(d05, res, s05, batches=(1,), rounds=20, before=b)
                                  for b in args.before.split(";")],
-             "ab7b": lambda: interleaved(G.fast_random_checkpoint("7B"), res, "7B", rounds=3,
-                                         before=args.before.split(";")[0]),
-             "profile": lambda: profile(d05, res, configs=both),
+             "ab7b": lambda: interleaved(seven(), res, s7, rounds=3, before=args.before.split(";")[0]),
+             "profile": lambda: profile(d05, res, **({"batches": (1, 4)} if smoke else {}), **tiny, configs=both),
              "parity": lambda: parity(d05, res),
-             "rate": lambda: rates(d05, res, "0.5B", [1, 8, 64], both),
-             "rate1": lambda: rates(d05, res, "0.5B", [1], both),
-             "rate1b": lambda: rates(d05, res, "0.5B", [1, 8, 64], both, key="rate_after"),   # after a sweep
-             "rate7bb": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both, key="rate_after"),
-             "rate256": lambda: rates(d05, res, "0.5B", [1, 8, 64, 256], both),
-             "profile1": lambda: profile(d05, res),
-             "profileb1": lambda: profile(d05, res, batches=(1,), configs=both),
-             "nanovllm": lambda: M.nanovllm(d05, res, repeats=3),
-             "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=6),
-             "logits": lambda: logits_micro(res),
+             "rate": lambda: rates(d05, res, s05, b3, both, **rate_kw),
+             "rate1": lambda: rates(d05, res, s05, [1], both, **rate_kw),
+             "rate1b": lambda: rates(d05, res, s05, b3, both, key="rate_after", **rate_kw),   # after a sweep
+             "rate7bb": lambda: rates(seven(), res, s7, [1], both, key="rate_after", **rate_kw),
+             "rate256": lambda: rates(d05, res, s05, [1, 8, 64, 256], both, **rate_kw),
+             "profile1": lambda: profile(d05, res, **tiny),
+             "profileb1": lambda: profile(d05, res, batches=(1,), configs=both, **tiny),
+             "nanovllm": lambda: nanovllm(d05, res, 1 if smoke else 3, smoke, RUN["dtype"]),
+             "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=2 if smoke else 6),
+             "logits": lambda: logits_micro(res, **({"reps": 2} if smoke else {})),
              "nanovllm_ab2": lambda: (nanovllm_ab(d05, res, rounds=4, before="fp32 logits", before_first=True,
                                                   key="nanovllm_ab_logits"),
                                       nanovllm_ab(d05, res, rounds=4, before="norm kernel", key="nanovllm_ab_norm")),
-             "rate7b": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], both),
-             "rate7bq": lambda: rates(G.fast_random_checkpoint("7B"), res, "7B", [1], quant),
+             "rate7b": lambda: rates(seven(), res, s7, [1], both, **rate_kw),
+             "rate7bq": lambda: rates(seven(), res, s7, [1], quant, **rate_kw),
              "gemvpdl": lambda: gemv_pdl(res), "qrow": lambda: quant_one_row(res),
-             "rate05q": lambda: rates(d05, res, "0.5B", [1], (("defaults", {}),) + quant05),
-             "profile7bq": lambda: profile(G.fast_random_checkpoint("7B"), res, batches=(1,), configs=(
+             "rate05q": lambda: rates(d05, res, s05, [1], (("defaults", {}),) + quant05, **rate_kw),
+             "profile7bq": lambda: profile(seven(), res, batches=(1,), **tiny, configs=(
                  ("bf16", {}), ("int4", {"quantization": "int4"}),
                  ("int4 lm_head", {"quantization": "int4", "quantize_lm_head": True})))}
-    G.run_parts(parts, args.parts, res, out)
-    out.write_text(json.dumps(res, indent=1))
+    run_parts(parts, args.parts, saver("diet_h200.json", res, args), res.setdefault("part_seconds", {}))
 
 
 if __name__ == "__main__":
