@@ -29,7 +29,7 @@ from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
 __all__ = ['LEDGER_PHASES', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line', 'engine_config',
            'SamplingParams', 'RequestOutput', 'StepLedger', 'EngineSetup', 'EngineLoad', 'worker_spec', 'eos_token_ids',
            'EngineStart', 'prompt_token_ids', 'check_context', 'EngineRequests', 'EngineStep', 'EngineLaunch',
-           'EngineAsync', 'find_stop', 'EngineReports', 'LLM']
+           'EngineAsync', 'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
 
 # %% ../nbs/12_engine.ipynb #61f398f0
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -596,29 +596,9 @@ def _prompts_and_params(prompts, sampling_params) -> tuple[list, list[SamplingPa
     for sp in params: _check_params(sp)
     return prompts, params
 
-# %% ../nbs/12_engine.ipynb #c471ed32
-class LLM(EngineReports):
-    "An offline engine: `generate` and `chat` over our Qwen2 with continuous batching and a paged KV cache."
-
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        "Generate for one prompt or a list of prompts (strings or token-id lists); outputs in prompt order."
-        checked = []
-        for p, sp in zip(*_prompts_and_params(prompts, sampling_params)):   # everything checked before queueing
-            text, ids = self._prompt_ids(p)
-            self._check(ids, sp)
-            checked.append((text, ids, sp))
-        ids: list[int] = []
-        done: dict[int, RequestOutput] = {}
-        try:
-            for c in checked: ids.append(self._add(*c, stream=False))
-            while len(done) < len(ids):
-                for out in self.step():
-                    if out.finished: done[out.request_id] = out
-        except BaseException:
-            for i in ids: self.abort_request(i)
-            raise
-        return [done[i] for i in ids]
+# %% ../nbs/12_engine.ipynb #c57e7ffa
+class EngineAPI(EngineReports):
+    "The offline API's smaller pieces: chat over the tokenizer's template, the prefix cache reset, closing."
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None
              ) -> list[RequestOutput]:
@@ -642,3 +622,27 @@ class LLM(EngineReports):
                 f"{self.num_kv_blocks} KV blocks of {self.block_size}, context {self.max_model_len}"
                 + (f", tensor parallel {self.parallel.world_size}" if self.parallel else "")
                 + (f", {self.quant_report.method} weights" if self.quant_report else "") + ")")
+
+# %% ../nbs/12_engine.ipynb #ee23bbdc
+class LLM(EngineAPI):
+    "An offline engine: `generate` and `chat` over our Qwen2 with continuous batching and a paged KV cache."
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        "Generate for one prompt or a list of prompts (strings or token-id lists); outputs in prompt order."
+        checked = []
+        for p, sp in zip(*_prompts_and_params(prompts, sampling_params)):   # everything checked before queueing
+            text, ids = self._prompt_ids(p)
+            self._check(ids, sp)
+            checked.append((text, ids, sp))
+        ids: list[int] = []
+        done: dict[int, RequestOutput] = {}
+        try:
+            for c in checked: ids.append(self._add(*c, stream=False))
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished: done[out.request_id] = out
+        except BaseException:
+            for i in ids: self.abort_request(i)
+            raise
+        return [done[i] for i in ids]

@@ -25,8 +25,8 @@ from .scheduler import Step
 __all__ = ['KernelConfig', 'resolve_kernels', 'model_kernels', 'hash_uniform', 'SamplingMetadata', 'sample', 'StepInputs',
            'Sections', 'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager', 'pack_graph_step',
            'add_feeds', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer', 'RunnerSetup',
-           'compile_decode_variants', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice', 'ModelRunner', 'kv_block_bytes',
-           'step_peak_bytes', 'kv_cache_blocks']
+           'compile_decode_variants', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice', 'RunnerLaunch', 'ModelRunner',
+           'kv_block_bytes', 'step_peak_bytes', 'kv_cache_blocks']
 
 # %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
@@ -456,9 +456,9 @@ class RunnerDevice(RunnerHost):
         done.record()
         return host, done
 
-# %% ../nbs/10_runner.ipynb #2b1f9f1c
-class ModelRunner(RunnerDevice):
-    "Runs the model for one scheduler step: inputs in one copy, forward, logits for sampled rows, sampling."
+# %% ../nbs/10_runner.ipynb #e4514136
+class RunnerLaunch(RunnerDevice):
+    "Launching a step: everything queued on the device, nothing waited for."
 
     @torch.inference_mode()
     def launch(self, x: StepInputs, ledger_row: dict | None = None) -> tuple:
@@ -485,6 +485,10 @@ class ModelRunner(RunnerDevice):
         events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if self.step_spans is not None: self.step_spans.append(events)
         return events
+
+# %% ../nbs/10_runner.ipynb #48d35784
+class ModelRunner(RunnerLaunch):
+    "Runs the model for one scheduler step: inputs in one copy, forward, logits for sampled rows, sampling."
 
     def wait(self, launched: tuple, ledger_row: dict | None = None) -> list[int]:
         "The sampled tokens of a `launch`ed step, once they are on the host: the step's one sync."
