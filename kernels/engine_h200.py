@@ -24,10 +24,9 @@ from lab import (LLM, SamplingParams, device_or_skip, is_smoke, median, parser, 
 import torch
 
 from nanoserve.measure import busy_share, count_device_kernels, profile_run
-from nanoserve.model import AttentionMetadata, PrefillChunk
+from nanoserve.model import SHAPES as MODEL_SHAPES, AttentionMetadata, PrefillChunk
 
-SHAPES = {"0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+SHAPES = {"0.5B": dict(MODEL_SHAPES["0.5B"]),
           "smoke": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=3072, tie_word_embeddings=True)}
 

@@ -27,7 +27,8 @@ from lab import (LLM, SamplingParams, device_or_skip, is_smoke, median, parser, 
 
 import torch
 
-from nanoserve.bench import SHAPES, WorkloadSpec, make_workload
+from nanoserve.bench import WorkloadSpec, make_workload
+from nanoserve.model import SHAPES
 from nanoserve.measure import busy_share, count_device_kernels, event_record, is_device_kernel, profile_run
 
 
