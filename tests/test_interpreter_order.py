@@ -1,6 +1,8 @@
 """The package's Triton kernels run through the interpreter even in a process that imported triton before the
 interpreter flag was set (as a notebook run after another that imported transformers can be): there, Triton's own
-jit helpers (`tl.max`, `tl.sum`, ...) were compiled for the GPU and cannot be called from an interpreted kernel."""
+jit helpers (`tl.max`, `tl.sum`, ...) were compiled for the GPU and cannot be called from an interpreted kernel. The
+kernels reduce with the runtime chapter's helpers (`nanoserve.runtime`: `row_max`, `add_fn`, `sum_last`, ...),
+defined after the flag. The package reads the flag and never sets it: whoever runs the code does, as here."""
 import os
 import subprocess
 import sys
