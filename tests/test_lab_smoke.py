@@ -3,7 +3,8 @@
 Each script runs in a fresh process (`python kernels/X.py --smoke`, as a reader would run it) with
 TRITON_INTERPRET=1, no visible GPU, one thread, and its output folder (NANOSERVE_SMOKE_OUT) in a temporary folder;
 it must exit 0 within the timeout and leave figures/data untouched. A script without a `--smoke` mode fails here
-by name. The shell scripts beside them are checked for syntax. And kernels/lab.py's own helpers, in process.
+by name. The shell scripts beside them are checked for syntax and run with `--smoke` likewise (their tiny CPU
+version). And kernels/lab.py's own helpers, in process.
 """
 import os
 import subprocess
@@ -52,10 +53,32 @@ def test_smoke(script, tmp_path):
     assert data_snapshot() == before, f"kernels/{script} --smoke wrote into figures/data"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in KERNELS.glob("*.sh")))
+SHELL_SCRIPTS = sorted(p.name for p in KERNELS.glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
 def test_shell_syntax(script):
     r = subprocess.run(["bash", "-n", str(KERNELS / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_shell_smoke(script, tmp_path):
+    "`bash kernels/X.sh --smoke`: the tiny CPU version (the built-in model, a few requests), output in a temp folder."
+    src = (KERNELS / script).read_text()
+    if "--smoke" not in src: pytest.fail(f"kernels/{script} has no --smoke mode")
+    out = tmp_path / "out"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+           "NANOSERVE_SMOKE_OUT": str(out), "PYTHON": sys.executable}
+    before = data_snapshot()
+    try:
+        r = subprocess.run(["bash", str(KERNELS / script), "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"kernels/{script} --smoke ran past {TIMEOUT_S} s; its output:\n{(e.stdout or '')[-3000:]}")
+    assert r.returncode == 0, f"kernels/{script} --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert data_snapshot() == before, f"kernels/{script} --smoke wrote into figures/data"
+    assert list(out.glob("bench_*.json")), f"kernels/{script} --smoke wrote no benchmark JSON into {out}"
 
 
 @pytest.fixture(scope="module")
