@@ -1,4 +1,6 @@
-"""The lab's one shared helper module: arguments, the device, warm-up, timing, run metadata, writing data.
+"""The lab's one shared helper module: arguments, the device, warm-up, timing, run metadata, writing data, and the
+pieces several engine experiments share (steady decode, graph_bench over weight copies, step rates, decode rows,
+memory floors, nano-vllm's workload, offline runs in fresh processes through `nanoserve.bench.run_benchmark`).
 
 Every script in kernels/ starts the same way and then imports only the package and this module:
 
