@@ -451,7 +451,7 @@ def test_request_timings_are_ordered(llm):
 
 def test_pdl_is_off_on_a_cpu_and_refused_when_asked(ckpt_dir):
     "Programmatic dependent launch needs a Hopper GPU: off by default on a CPU, and `pdl=True` is a clear error."
-    from nanoserve.attention import launch_options, pdl_supported
+    from nanoserve.runtime import launch_options, pdl_supported
     assert not pdl_supported(torch.device("cpu")) and launch_options(False) == {}
     assert launch_options(True) == {"launch_pdl": True}
     llm = LLM(ckpt_dir, dtype="float32", device="cpu", attention_backend="triton", fused_kernels=True)
