@@ -1,6 +1,8 @@
 """The lab's one shared helper module: arguments, the device, warm-up, timing, run metadata, writing data, and the
 pieces several engine experiments share (steady decode, graph_bench over weight copies, step rates, decode rows,
-memory floors, nano-vllm's workload, offline runs in fresh processes through `nanoserve.bench.run_benchmark`).
+memory floors, nano-vllm's workload, offline runs in fresh processes through `nanoserve.bench.run_benchmark`), and
+those the quant experiments share (a shape's layer shapes, seeded layers, errors against the reference, decode
+step passes).
 
 Every script in kernels/ starts the same way and then imports only the package and this module:
 
@@ -174,7 +176,8 @@ def out_path(path, args) -> Path:
         if _smoke_dir is None:                   # the driver may name the folder (NANOSERVE_SMOKE_OUT)
             given = os.environ.get("NANOSERVE_SMOKE_OUT")
             _smoke_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="nanoserve-smoke-"))
-            if REPO in _smoke_dir.resolve().parents: raise SystemExit(f"--smoke must write outside the repository, not into {given}")
+            if REPO in _smoke_dir.resolve().parents:
+                raise SystemExit(f"--smoke must write outside the repository, not into {given}")
         return _smoke_dir / name
     out = getattr(args, "out", None)
     if not out: return Path(path)
@@ -226,7 +229,7 @@ def saver(name: str, res: dict, args):
 
 # ---- engines ---------------------------------------------------------------------------------------------------
 # after the environment above is set; names every tree the A/B of nanovllm_h200.py runs has (0f60b58's too)
-from nanoserve.bench import WorkloadSpec, make_workload, random_checkpoint, run_benchmark   # noqa: E402
+from nanoserve.bench import SHAPES, WorkloadSpec, make_workload, random_checkpoint, run_benchmark   # noqa: E402
 from nanoserve.engine import LLM, SamplingParams, StepLedger                                # noqa: E402
 from nanoserve.measure import (busy_share, count_device_kernels, decode_floor_ms, kv_bytes_per_token,  # noqa: E402
                                model_weight_bytes, profile_run, time_twice)
@@ -335,17 +338,15 @@ def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10, devi
     """Microseconds per call of `make_call(i)()` as a decode step sees it: calls over R copies of the operands
     (`copies_for_l2(nbytes)`: no call finds its weights in L2) captured in one CUDA graph, the graph replayed
     `replays` times per pass; one value per pass (no host launch time, no cache flush kernel). On a CPU (a smoke
-    run) the R calls are timed back to back by the host's clock, once per pass."""
+    run: the code exercised, nothing measured) one pass only, the R calls back to back by the host's clock, with
+    no warm-up round: under the interpreter every call costs the same, and the smoke runs stay short."""
     R = copies_for_l2(nbytes, device)
     calls = [make_call(i) for i in range(R)]
-    for c in calls: c()                               # compile, pick algorithms, make the split counters
     if not is_cuda(device):
-        out = []
-        for _ in range(passes):
-            t0 = time.perf_counter()
-            for c in calls: c()
-            out.append((time.perf_counter() - t0) * 1e6 / R)
-        return out
+        t0 = time.perf_counter()
+        for c in calls: c()
+        return [(time.perf_counter() - t0) * 1e6 / R]
+    for c in calls: c()                               # compile, pick algorithms, make the split counters
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -360,6 +361,76 @@ def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10, devi
         out.append(a.elapsed_time(b) * 1e3 / (replays * R))
     del g
     return out
+
+
+# ---- the quant experiments' shared pieces (quant_h200, quant_gemm_h200, quant_lab_h200, quant_pipe_h200) --------
+def layer_shapes(shape: str, smoke: bool, tiny=(("down_proj", 256, 1024, False),)) -> list[tuple]:
+    """(name, N out, K in, has bias) of a Qwen2.5 `shape`'s decoder layer linear layers (`SHAPES`: the fused qkv and
+    gate/up projections, o and down); under --smoke the `tiny` ones instead."""
+    if smoke: return list(tiny)
+    c = SHAPES[shape]
+    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
+            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
+
+
+def random_linear(N: int, K: int, bias: bool, device, dtype=torch.bfloat16, seed: int = 0) -> tuple:
+    "A seeded linear layer's weight [N, K] and bias [N] (None without `bias`), normal values times 0.02."
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(N, K, device=device, dtype=dtype, generator=g) * 0.02
+    b = torch.randn(N, device=device, dtype=dtype, generator=g) * 0.02 if bias else None
+    return w, b
+
+
+def tensor_bytes(tensors) -> int:
+    "The bytes the tensors hold (None holds none): a quantized weight's words, scales and zero points."
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def max_rel_err(out, ref) -> float:
+    "max |out - ref| / max |ref| in fp32: a kernel's error against its fp32 reference."
+    ref = ref.float()
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def checked(err, what, tol: float = 0.02) -> None:
+    "A kernel more than `tol` (2%) off its reference fails the run; `err` None (an ablation, wrong by design) passes."
+    assert err is None or err < tol, (what, err)
+
+
+def trial_row(cfg: dict, us: list[float], err, nbytes: int) -> dict:
+    """One timed candidate of a kernel sweep: its config, its microseconds per pass (`graph_bench`), the faster one,
+    its error against the reference (None: an ablation, wrong by design) and the GB/s of reading `nbytes` at that."""
+    return {**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": nbytes / min(us) / 1e3}
+
+
+def best_trial(row: dict) -> list[dict]:
+    """A sweep row's timed trials (those of its "trials" with "us"); when there are any, the fastest as row["best"],
+    its speedup over the row's control "shipped_us" (where the row has one) and the worst error of the checked ones."""
+    ok = [r for r in row["trials"] if "us" in r]
+    if ok:
+        row["best"] = min(ok, key=lambda r: r["best_us"])
+        if "shipped_us" in row: row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
+        row["worst_rel_err"] = max(r["rel_err"] for r in ok if r["rel_err"] is not None)
+    return ok
+
+
+def step_ms_twice(llm, batch: int, steps: int, prompt_len: int = 128, warm_s: float = 1.0) -> tuple:
+    """ms per `LLM.step()` in steady decode at `batch`: passes of `steps` back-to-back steps with one sync each (a
+    per-step sync would drain the async pipeline), a warm-up pass that fills the pipeline, then two timed passes
+    (`twice`): (first, second, disagree)."""
+    steady_decode(llm, batch, prompt_len)
+    warm(llm.device, warm_s)
+    one_pass = lambda: median(time_wall(lambda: [llm.step() for _ in range(steps)], reps=1, warmup=0,
+                                        device=llm.device)) / steps * 1e3
+    one_pass()
+    return twice(one_pass)
+
+
+def exit_if_failed(res: dict) -> None:
+    "Exit non-zero when a part failed (`saver` put its error in `res` under \"<part>_error\", and wrote it)."
+    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
 
 
 def step_rates(model_dir, res, shape, batches, configs, key, steps=200, warm_s=1.0, dtype="bfloat16",
