@@ -10,57 +10,26 @@ a. gemm: each projection at T in (8, 32): bf16 F.linear, the nibble path, and PA
    against the fp32 reference (max relative error, asserted), then timed by `graph_bench` (calls over enough weight
    copies to defeat L2, captured in one CUDA graph). `prefill` does the same at 128 and 512 rows.
 b. rate: the 7B decode step (CUDA graphs, async scheduling) at batch 8 and 32, bf16 and INT4, two passes each
-   (`lab.twice`). The engine takes the package's GEMM rule; an A/B of GEMM tiles is part a's, per call.
+   after a warm-up pass (`lab.step_ms_twice`). The engine takes the package's GEMM rule; an A/B of GEMM tiles is
+   part a's, per call.
 `--smoke`: the same on tiny shapes on the CPU under the interpreter (the engine on the built-in tiny model).
 """
 import gc, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, device_or_skip, is_smoke, median, parser, run_parts, steady_decode, sync, time_cuda, time_wall,
-                 tiny_model, twice, warm, write)
+from lab import (LLM, device_or_skip, exit_if_failed, free, graph_bench, is_smoke, layer_shapes, max_rel_err,
+                 operand_copies, parser, random_linear, run_parts, saver, step_ms_twice, tensor_bytes, tiny_model)
 
 import torch
 import torch.nn.functional as F
 
 import nanoserve.quant as Q
 from nanoserve.bench import random_checkpoint
-from nanoserve.model import SHAPES
 
 GROUP = 128
 NIBBLES = {"PACKED": False}                            # the control: INT4 unpacked nibble by nibble
 TINY = [("o_proj", 256, 256, False), ("down_proj", 256, 512, False)]   # --smoke's layers
-
-
-def layer_shapes(smoke: bool):
-    "(name, N out, K in, has bias) of a 7B decoder layer's linear layers (tiny ones under --smoke)."
-    if smoke: return TINY
-    c = SHAPES["7B"]
-    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // heads
-    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
-            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
-
-
-def copies(tensors, size: int, device) -> list[tuple]:
-    "The operands and clones, >= 256 MB in all on a GPU (five times L2: no call finds its weights cached); one on a CPU."
-    n = max(1, min(32, -(-(256 << 20) // max(size, 1)))) if device.type == "cuda" else 1
-    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(n - 1)]
-
-
-def graph_bench(make_call, n: int, device) -> float:
-    """us per call of `make_call(i)()` over the `n` operand copies, as a decode step sees it: on a GPU the calls are
-    captured in one CUDA graph, replayed ten times a pass, the faster of two passes; on a CPU, one timed call."""
-    calls = [make_call(i) for i in range(n)]
-    for c in calls: c()                               # compile, pick algorithms, make the split counters
-    if device.type != "cuda": return min(time_cuda(calls[0], reps=1, warmup=0, device=device)) * 1e6
-    sync(device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls: c()
-    g.replay(); sync(device)
-    replay10 = lambda: [g.replay() for _ in range(10)]
-    return min(time_cuda(replay10, reps=2, warmup=0, device=device)) * 1e6 / (10 * n)
 
 
 def tiles(smoke: bool) -> list[dict]:
@@ -73,17 +42,16 @@ def gemm_row(name, N, K, T, w, b, q, qs, device, smoke):
     "One projection at T rows: bf16, the nibble path and each PACKED tile, checked, then timed."
     x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
     ref = Q.quant_matmul_ref(x.float(), *q, None if b is None else b.float(), "int4", GROUP)
-    err = lambda cfg: ((Q.quant_gemm(x, *q, b, "int4", GROUP, config=cfg).float() - ref).abs().max()
-                       / ref.abs().max()).item()
+    err = lambda cfg: max_rel_err(Q.quant_gemm(x, *q, b, "int4", GROUP, config=cfg), ref)
     configs = [NIBBLES] + [{"PACKED": True, **t} for t in tiles(smoke)]
     errs = [err(c) for c in configs]                                 # check first
     assert max(errs) < 0.02, (name, T, errs)
-    ws = copies((w,), 2 * N * K, device)
-    qb = sum(t.numel() * t.element_size() for t in q if t is not None)
-    time_of = lambda cfg: graph_bench(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", GROUP, config=cfg)),
-                                      len(qs), device)
+    ws = operand_copies((w,), 2 * N * K)
+    qb = tensor_bytes(q)
+    us = lambda make_call, nbytes: min(graph_bench(make_call, nbytes, device=device))   # the faster of two passes
+    time_of = lambda cfg: us(lambda i: (lambda: Q.quant_gemm(x, *qs[i], b, "int4", GROUP, config=cfg)), qb)
     row = {"layer": name, "N": N, "K": K, "T": T, "weight_bytes": qb,
-           "bf16_us": graph_bench(lambda i: (lambda: F.linear(x, ws[i][0], b)), len(ws), device),
+           "bf16_us": us(lambda i: (lambda: F.linear(x, ws[i][0], b)), 2 * N * K),
            "int4_us": time_of(NIBBLES), "int4_err": errs[0],
            "packed": [{**c, "us": time_of(c), "rel_err": e} for c, e in zip(configs[1:], errs[1:])]}
     row["best_packed"] = min(row["packed"], key=lambda r: r["us"])
@@ -94,18 +62,15 @@ def gemm_row(name, N, K, T, w, b, q, qs, device, smoke):
 
 def gemm(res, device, smoke, row_counts, key):
     rows = res[key] = []
-    for name, N, K, bias in layer_shapes(smoke):
-        g = torch.Generator(device=device).manual_seed(0)
-        w = torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g) * 0.02
-        b = torch.randn(N, device=device, dtype=torch.bfloat16, generator=g) * 0.02 if bias else None
+    for name, N, K, bias in layer_shapes("7B", smoke, TINY):
+        w, b = random_linear(N, K, bias, device)
         q = Q.quantize_int4(w, GROUP)
-        qs = copies(q, sum(t.numel() * t.element_size() for t in q), device)
+        qs = operand_copies(q, tensor_bytes(q))
         for T in row_counts: rows.append(gemm_row(name, N, K, T, w, b, q, qs, device, smoke))
-        del qs, w; gc.collect()
-        if device.type == "cuda": torch.cuda.empty_cache()
+        del qs, w; gc.collect(); free(device)
 
 
-def rate(res, device, smoke, batches):
+def rate(res, smoke, batches):
     "ms per decode step, bf16 and INT4 (two passes each after a warm-up pass), one engine alive at a time."
     rows = res.setdefault("rate", [])
     model_dir = tiny_model() if smoke else random_checkpoint("7B")
@@ -115,12 +80,7 @@ def rate(res, device, smoke, batches):
                                                                                             "num_kv_blocks": 4096}
         llm = LLM(model_dir, **base, **q, max_num_seqs=max(batches), max_num_batched_tokens=2048)
         for b in batches:
-            steady_decode(llm, b, prompt_len=16 if smoke else 128)
-            warm(device, 1.0)
-            one_pass = lambda: median(time_wall(lambda: [llm.step() for _ in range(steps)], reps=1, warmup=0,
-                                                device=device)) / steps * 1e3
-            one_pass()
-            a, b2, disagree = twice(one_pass)
+            a, b2, disagree = step_ms_twice(llm, b, steps, prompt_len=16 if smoke else 128, warm_s=1.0)
             rows.append({"shape": "tiny" if smoke else "7B", "config": cname, "batch": b, "ms_per_step": [a, b2],
                          "best_ms": min(a, b2), "disagree": disagree})
             print("rate", rows[-1], flush=True)
@@ -133,12 +93,9 @@ def main():
     res = {"group_size": GROUP, "timer": "graph_bench (us per call, the faster of two passes)"}
     parts = {"gemm": lambda: gemm(res, device, smoke, (8,) if smoke else (8, 32), "gemm"),
              "prefill": lambda: gemm(res, device, smoke, (16,) if smoke else (128, 512), "prefill"),
-             "rate": lambda: rate(res, device, smoke, (2,) if smoke else (8, 32))}
-    def save(name, err):
-        if err: res[f"{name}_error"] = err
-        write("quant_gemm_h200.json", res, args)
-    run_parts(parts, args.parts + (",prefill" if smoke else ""), save)
-    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
+             "rate": lambda: rate(res, smoke, (2,) if smoke else (8, 32))}
+    run_parts(parts, args.parts + (",prefill" if smoke else ""), saver("quant_gemm_h200.json", res, args))
+    exit_if_failed(res)
 
 
 if __name__ == "__main__":

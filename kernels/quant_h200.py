@@ -7,15 +7,18 @@ Writes quant_h200.json (run metadata inside) after every part; copy it to figure
 
 a. correctness (checked first, asserted): the 7B layer shapes, INT8 and INT4, T in (1, 4, 16, 512): max relative
    error against the reference (dequantize to fp32, fp32 matmul) of the dispatch (`quant_matmul`, on the layout
-   `QuantLinear` stores and on rows), the FMA GEMV (T <= the table's gemv_max_t), the tensor-core GEMM (T > 1), and at one row
-   the one-row options over the tuned table (`OPTIONS`, passed as `config=`); one CUDA-graph capture and replay;
+   `QuantLinear` stores and on rows), the FMA GEMV (T <= the table's gemv_max_t), the tensor-core GEMM (T > 1), and
+   at one row the one-row options over the tuned table (`OPTIONS`, passed as `config=`); one CUDA-graph capture and
+   replay;
 b. sweep: the GEMV at T = 1 on the 7B shapes, the package's choice first, then BLOCK_N x BLOCK_K x warps
    candidates (each passed as `tuned=`: the candidate in place of the table's entry), each timed by `graph_bench`
-   (calls over enough weight copies to defeat L2, captured in one CUDA graph), against bf16 F.linear and the copy
-   bandwidth of the same run; the best per (method, layer) is recorded ("chosen"), the package's table unchanged;
+   (calls over enough weight copies to defeat L2, captured in one CUDA graph; the faster of two passes), against
+   bf16 F.linear and the copy bandwidth of the same run; the best per (method, layer) is recorded ("chosen"), the
+   package's table unchanged;
 c. gemm512: the GEMM at T = 512 for gate_up and down: bf16 F.linear, INT8, INT4;
 d. decode7b, decode05: the engine's decode step (CUDA graphs, async scheduling), quantization None, "int8",
-   "int4", 7B at batch 1, 8, 32 and 0.5B at batch 1, 8: ms per step, two passes (`lab.twice`, >15% flagged);
+   "int4", 7B at batch 1, 8, 32 and 0.5B at batch 1, 8: ms per step, two passes after a warm-up pass
+   (`lab.step_ms_twice`, >15% flagged);
 e. kv: the KV blocks the engine sizes by itself on the 0.5B shape for each quantization (eager).
 `--smoke`: the same parts on tiny shapes on the CPU under the interpreter (the engine on the built-in tiny model).
 """
@@ -23,15 +26,15 @@ import gc, sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, device_or_skip, is_smoke, median, parser, run_parts, steady_decode, sync, time_cuda, time_wall,
-                 tiny_model, twice, warm, write)
+from lab import (LLM, device_or_skip, exit_if_failed, free, graph_bench, is_smoke, layer_shapes, max_rel_err, median,
+                 operand_copies, parser, random_linear, run_parts, saver, step_ms_twice, sync, tensor_bytes, time_cuda,
+                 tiny_model)
 
 import torch
 import torch.nn.functional as F
 
 import nanoserve.quant as Q
 from nanoserve.bench import random_checkpoint
-from nanoserve.model import SHAPES
 
 GROUP = 128
 METHODS = ("int8", "int4")
@@ -45,24 +48,7 @@ OPTIONS = {"int4": {"gemv_pairs_cvt": {"SHIFT": False}, "gemv_pairs_shift": {"SH
 # the one-row options, each over the tuned table (the packed paths are the interpreter's emulation on a CPU)
 
 
-# ---- operands and timing -----------------------------------------------------------------------------------------
-def layer_shapes(shape: str, smoke: bool):
-    "(name, N out, K in, has bias) of one decoder layer's linear layers (tiny ones under --smoke)."
-    if smoke: return TINY
-    c = SHAPES[shape]
-    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // heads
-    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
-            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
-
-
-def make_layer(N, K, bias, device, dtype, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    w = torch.randn(N, K, device=device, dtype=dtype, generator=g) * 0.02
-    b = torch.randn(N, device=device, dtype=dtype, generator=g) * 0.02 if bias else None
-    return w, b
-
-
+# ---- operands -------------------------------------------------------------------------------------------------
 def packed(w, method, rows: bool = False):
     "`w` quantized, in the layout `QuantLinear` stores (INT4: tiled where `gemv_tile` says; `rows`: row-major)."
     if method == "int8": return Q.quantize_int8(w) + (None,)
@@ -70,51 +56,24 @@ def packed(w, method, rows: bool = False):
     return Q.tile_int4(*Q.quantize_int4(w, GROUP), GROUP, tile) if tile else Q.quantize_int4(w, GROUP)
 
 
-def nbytes(p): return sum(t.numel() * t.element_size() for t in p if t is not None)
-
-
-def rel_err(out, ref): return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-
-
-def copies(tensors, size: int, device) -> list[tuple]:
-    "The operands and clones, >= 256 MB in all on a GPU (five times L2: no call finds its weights cached); one on a CPU."
-    n = max(1, min(32, -(-(256 << 20) // max(size, 1)))) if device.type == "cuda" else 1
-    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(n - 1)]
-
-
-def graph_bench(make_call, n: int, device) -> float:
-    """ms per call of `make_call(i)()` over the `n` operand copies, as a decode step sees it: on a GPU the calls are
-    captured in one CUDA graph, replayed ten times a pass, the faster of two passes; on a CPU, one timed call."""
-    calls = [make_call(i) for i in range(n)]
-    for c in calls: c()                               # compile, pick algorithms, make the split counters
-    if device.type != "cuda": return min(time_cuda(calls[0], reps=1, warmup=0, device=device)) * 1e3
-    sync(device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls: c()
-    g.replay(); sync(device)
-    replay10 = lambda: [g.replay() for _ in range(10)]
-    return min(time_cuda(replay10, reps=2, warmup=0, device=device)) * 1e3 / (10 * n)
-
-
 def cleanup(device):
-    gc.collect(); sync(device)
-    if device.type == "cuda": torch.cuda.empty_cache()
+    "Collect the dropped operands and give the allocator's cache back, between layers and engines."
+    gc.collect(); sync(device); free(device)
 
 
 # ---- a. correctness ----------------------------------------------------------------------------------------------
 def correctness_row(name, N, K, method, T, w, b, p, x):
     ref = Q.quant_matmul_ref(x.float(), *p, None if b is None else b.float(), method, GROUP)    # fp32 reference
     row = {"layer": name, "N": N, "K": K, "method": method, "T": T,
-           "auto": rel_err(Q.quant_matmul(x, *p, b, method, GROUP), ref)}
+           "auto": max_rel_err(Q.quant_matmul(x, *p, b, method, GROUP), ref)}
     if method == "int4":                                          # the row-major layout too
-        row["auto_rows"] = rel_err(Q.quant_matmul(x, *packed(w, method, rows=True), b, method, GROUP), ref)
+        row["auto_rows"] = max_rel_err(Q.quant_matmul(x, *packed(w, method, rows=True), b, method, GROUP), ref)
         row["tile"] = Q.weight_layout(p[0])[0]
-    if T <= Q.quant_tables()["gemv_max_t"]: row["gemv_fma"] = rel_err(Q.quant_gemv(x, *p, b, method, GROUP), ref)
+    if T <= Q.quant_tables()["gemv_max_t"]: row["gemv_fma"] = max_rel_err(Q.quant_gemv(x, *p, b, method, GROUP), ref)
     if T == 1:
         for opt, cfg in OPTIONS[method].items():
-            row[opt] = rel_err(Q.quant_gemv(x, *p, b, method, GROUP, config=cfg), ref)
-    if T > 1: row["gemm"] = rel_err(Q.quant_gemm(x, *p, b, method, GROUP), ref)
+            row[opt] = max_rel_err(Q.quant_gemv(x, *p, b, method, GROUP, config=cfg), ref)
+    if T > 1: row["gemm"] = max_rel_err(Q.quant_gemm(x, *p, b, method, GROUP), ref)
     return row
 
 
@@ -122,7 +81,7 @@ def graph_replay(res, device, dtype, smoke):
     "Each path captured once in a CUDA graph and replayed on new inputs (GPU only)."
     if device.type != "cuda": return
     graph = {}
-    w, b = make_layer(4608, 3584, True, device, dtype)
+    w, b = random_linear(4608, 3584, True, device, dtype)
     for method in METHODS:
         p = packed(w, method)
         for T in (1, 16):
@@ -131,7 +90,7 @@ def graph_replay(res, device, dtype, smoke):
             gr = torch.cuda.CUDAGraph()
             with torch.cuda.graph(gr): out = Q.quant_matmul(x, *p, b, method, GROUP)
             x.copy_(torch.randn_like(x)); gr.replay(); sync(device)
-            graph[f"{method} T={T}"] = rel_err(out, Q.quant_matmul_ref(x.float(), *p, b, method, GROUP))
+            graph[f"{method} T={T}"] = max_rel_err(out, Q.quant_matmul_ref(x.float(), *p, b, method, GROUP))
     res["correctness"]["cuda_graph_replay_rel_err"] = graph
     print("graph replay", graph, flush=True)
 
@@ -139,8 +98,8 @@ def graph_replay(res, device, dtype, smoke):
 def correctness(res, device, dtype, smoke):
     rows = []
     res["correctness"] = {"reference": "dequantize to fp32, fp32 matmul (x rounded first)", "rows": rows}
-    for name, N, K, has_bias in layer_shapes("7B", smoke):
-        w, b = make_layer(N, K, has_bias, device, dtype)
+    for name, N, K, has_bias in layer_shapes("7B", smoke, TINY):
+        w, b = random_linear(N, K, has_bias, device, dtype)
         for method in METHODS:
             p = packed(w, method)
             g = torch.Generator(device=device).manual_seed(1)
@@ -179,13 +138,13 @@ def candidates(method, smoke):
 def sweep_layers(sec, device, dtype, smoke):
     "Per 7B layer: the input, the quantized copies, and bf16 F.linear's time."
     layers = {}
-    for name, N, K, _ in layer_shapes("7B", smoke):
-        w, _b = make_layer(N, K, False, device, dtype)
+    for name, N, K, _ in layer_shapes("7B", smoke, TINY):
+        w, _b = random_linear(N, K, False, device, dtype)
         x = torch.randn(1, K, device=device, dtype=dtype)
-        ws = copies((w,), 2 * N * K, device)
-        ms = graph_bench(lambda i: (lambda: F.linear(x, ws[i][0])), len(ws), device)
+        ws = operand_copies((w,), 2 * N * K)
+        ms = min(graph_bench(lambda i: (lambda: F.linear(x, ws[i][0])), 2 * N * K, device=device)) / 1e3
         sec["bf16"][name] = {"ms": ms, "GBps": 2 * N * K / ms / 1e6}
-        layers[name] = (N, K, x, {m: copies(packed(w, m), nbytes(packed(w, m)), device) for m in METHODS})
+        layers[name] = (N, K, x, {m: operand_copies(packed(w, m), tensor_bytes(packed(w, m))) for m in METHODS})
     return layers
 
 
@@ -194,9 +153,10 @@ def time_candidate(sec, method, name, layer, cfg, sms, first):
     N, K, x, p = layer
     try:
         full = {k: v for k, v in Q.gemv_config(1, N, K, method, GROUP, sms, tuned=cfg).items() if k != "SUB_K"}
-        ms = graph_bench(lambda j: (lambda: Q.quant_gemv(x, *p[method][j], None, method, GROUP, tuned=cfg)),
-                         len(p[method]), x.device)
-        gb = nbytes(p[method][0]) / ms / 1e6
+        qb = tensor_bytes(p[method][0])
+        ms = min(graph_bench(lambda j: (lambda: Q.quant_gemv(x, *p[method][j], None, method, GROUP, tuned=cfg)),
+                             qb, device=x.device)) / 1e3                  # the faster of two passes
+        gb = qb / ms / 1e6
         row = {"method": method, "layer": name, **full, "ms": ms, "GBps": gb, "package": first,
                "of_copy_bw": gb / sec["copy_bandwidth_GBps"], "vs_bf16": sec["bf16"][name]["ms"] / ms}
     except Exception as e:                                       # a candidate that does not compile
@@ -240,12 +200,13 @@ def gemm512(res, device, dtype, smoke):
     rows = res["gemm_512"] = []
     T = 16 if smoke else 512
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    for name, N, K, _ in layer_shapes("7B", smoke):
+    for name, N, K, _ in layer_shapes("7B", smoke, TINY):
         if name not in ("gate_up_proj", "down_proj"): continue
-        w, _b = make_layer(N, K, False, device, dtype)
+        w, _b = random_linear(N, K, False, device, dtype)
         x = torch.randn(T, K, device=device, dtype=dtype)
         ms = median(time_cuda(lambda: F.linear(x, w), device=device)) * 1e3
-        rows.append({"layer": name, "N": N, "K": K, "T": T, "format": "bf16", "ms": ms, "TFLOPs": 2 * T * N * K / ms / 1e9})
+        rows.append({"layer": name, "N": N, "K": K, "T": T, "format": "bf16", "ms": ms,
+                     "TFLOPs": 2 * T * N * K / ms / 1e9})
         for method in METHODS:
             p = packed(w, method)
             ms = median(time_cuda(lambda: Q.quant_gemm(x, *p, None, method, GROUP), reps=2 if smoke else 20,
@@ -265,15 +226,9 @@ def engine(model_dir, q, device, smoke, **kw):
     return LLM(model_dir, **base, **quant, **kw)
 
 
-def time_decode(llm, batch, device, smoke):
+def time_decode(llm, batch, smoke):
     "ms per decode step, two passes of back-to-back steps (one sync each), after a warm-up pass."
-    steady_decode(llm, batch, prompt_len=16 if smoke else 128)
-    steps = 2 if smoke else STEPS
-    warm(device, 0.5)
-    one_pass = lambda: median(time_wall(lambda: [llm.step() for _ in range(steps)], reps=1, warmup=0,
-                                        device=device)) / steps * 1e3
-    one_pass()                                           # warms the async pipeline
-    a, b, disagree = twice(one_pass)
+    a, b, disagree = step_ms_twice(llm, batch, 2 if smoke else STEPS, prompt_len=16 if smoke else 128, warm_s=0.5)
     return {"batch": batch, "ms_per_step": [a, b], "median_ms": min(a, b), "disagree": disagree,
             "tokens_per_s": batch / (min(a, b) / 1e3)}
 
@@ -286,7 +241,7 @@ def decode(res, shape, batches, device, smoke):
         llm = engine(model_dir, q, device, smoke, num_kv_blocks=256 if smoke else 1024, max_num_seqs=max(batches),
                      max_num_batched_tokens=2048)
         row = {"shape": shape, "quantization": q, "weight_bytes": Q.weight_bytes(llm.model),
-               "num_kv_blocks": llm.num_kv_blocks, "batches": [time_decode(llm, b, device, smoke) for b in batches]}
+               "num_kv_blocks": llm.num_kv_blocks, "batches": [time_decode(llm, b, smoke) for b in batches]}
         print("decode", shape, q, [(r["batch"], round(r["median_ms"], 3)) for r in row["batches"]], flush=True)
         llm.close(); del llm
         rows.append(row)
@@ -320,11 +275,8 @@ def main():
              "decode7b": lambda: decode(res, "7B", (1, 2) if smoke else (1, 8, 32), device, smoke),
              "decode05": lambda: decode(res, "0.5B", (1,) if smoke else (1, 8), device, smoke),
              "kv": lambda: kv_sizing(res, device, smoke)}
-    def save(name, err):
-        if err: res[f"{name}_error"] = err
-        write("quant_h200.json", res, args)
-    run_parts(parts, args.parts, save)
-    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
+    run_parts(parts, args.parts, saver("quant_h200.json", res, args))
+    exit_if_failed(res)
 
 
 if __name__ == "__main__":
