@@ -31,56 +31,19 @@ import sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import device_or_skip, is_smoke, parser, run_parts, sync, time_cuda, write
+from lab import (best_trial, checked, device_or_skip, exit_if_failed, graph_bench, is_smoke, layer_shapes, max_rel_err,
+                 operand_copies, parser, run_parts, saver, tensor_bytes, trial_row)
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoserve.model import SHAPES
 from nanoserve.quant import (_pairs_asm, _pairs_emulated, neg_pair, quant_matmul,
                              quant_matmul_ref, quant_tables, quantize_int4, quantize_int8)
 from nanoserve.runtime import finish_split, launch_options, pdl_launch_next, pdl_wait, split_counters, split_tiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # the CPU under --smoke (lab hides GPUs)
 TINY = [("down_proj", 256, 1024, False)]                                 # --smoke's layer
-
-
-def layer_shapes(smoke: bool):
-    "(name, N out, K in, has bias) of a 7B decoder layer's linear layers (a tiny one under --smoke)."
-    if smoke: return TINY
-    c = SHAPES["7B"]
-    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // heads
-    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
-            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
-
-
-def operand_copies(tensors, size: int) -> list[tuple]:
-    "The operands and clones, >= 256 MB in all on a GPU (five times L2: no call finds its weights cached); one on a CPU."
-    n = max(1, min(32, -(-(256 << 20) // max(size, 1)))) if DEVICE.type == "cuda" else 1
-    return [tuple(tensors)] + [tuple(None if t is None else t.clone() for t in tensors) for _ in range(n - 1)]
-
-
-def graph_bench(make_call, size: int) -> list[float]:
-    """us per call of `make_call(i)()` over `operand_copies`' count for `size` bytes, as a decode step sees it: on a
-    GPU the calls captured in one CUDA graph, replayed ten times a pass, one value per pass (two); on a CPU, one call."""
-    n = len(operand_copies((), size)) if DEVICE.type != "cuda" else max(1, min(32, -(-(256 << 20) // max(size, 1))))
-    calls = [make_call(i) for i in range(n)]
-    for c in calls: c()                               # compile, pick algorithms, make the split counters
-    if DEVICE.type != "cuda": return [t * 1e6 for t in time_cuda(calls[0], reps=1, warmup=0, device=DEVICE)]
-    sync(DEVICE)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls: c()
-    g.replay(); sync(DEVICE)
-    return [t * 1e6 / (10 * n) for t in time_cuda(lambda: [g.replay() for _ in range(10)], reps=2, warmup=0,
-                                                   device=DEVICE)]
-
-
-def checked(err, what) -> None:
-    "A lab kernel more than 2% off the reference fails the run (the ablations pass None: wrong by design)."
-    assert err is None or err < 0.02, (what, err)
 
 
 @triton.jit
@@ -384,7 +347,7 @@ def layer_case(method: str, N: int, K: int, bias: bool):
     b = torch.randn(N, device=DEVICE, dtype=torch.bfloat16, generator=g) if bias else None
     x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
     q = quantize_int8(w) + (None,) if method == "int8" else quantize_int4(w, 128)
-    qb = q[0].numel() * q[0].element_size() + q[1].numel() * 4 + (0 if q[2] is None else q[2].numel())
+    qb = tensor_bytes(q)
     ref = quant_matmul_ref(x.float(), *q, None if b is None else b.float(), method, 128)
     return w, b, x, q, qb, operand_copies(q, qb), ref
 
@@ -394,38 +357,47 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def shipped_us(x, qs, b, method: str, qb: int) -> list[float]:
+    "The control: microseconds per pass of the package's path as `quant_matmul` picks it (PDL on a GPU; none here)."
+    pdl = DEVICE.type == "cuda"
+    return graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl)), qb, device=DEVICE)
+
+
+def time_trial(row: dict, label: str, run, x, ops, b, cfg: dict, pdl: bool, ref, qb: int):
+    """One configuration of a lab kernel on one projection: checked against `ref` (an ablation, ABL, is wrong by
+    design: no error kept), then timed; appended to row["trials"] and returned (None, the error kept, when it does
+    not compile). A kernel more than 2% off fails the run."""
+    try:
+        err = max_rel_err(run(x, *ops[0], b, cfg, pdl), ref)
+        if cfg.get("ABL"): err = None                          # wrong by design
+        us = graph_bench(lambda i: (lambda: run(x, *ops[i], b, cfg, pdl)), qb, device=DEVICE)
+    except Exception as e:                                      # a config that does not compile
+        row["trials"].append({**cfg, "pdl": pdl, "error": repr(e)[:200]}); return None
+    r = trial_row({**cfg, "pdl": pdl}, us, err, qb)
+    row["trials"].append(r)
+    print(label, row["layer"], r, flush=True)
+    checked(err, (label, row["layer"], cfg))
+    return r
+
+
 def lab(res, method: str, budget_s: float, smoke: bool):
     """Per 7B projection at one row: the shipped path (as `quant_matmul` picks it), then the lab kernel's switches
     at the shipped blocks, then a block and split sweep with the best switches (`budget_s` per projection)."""
     rows = res.setdefault(method, [])
     run, method = RUNS[method], method[:4]
-    for name, N, K, bias in layer_shapes(smoke):
+    for name, N, K, bias in layer_shapes("7B", smoke, TINY):
         t0 = time.perf_counter()
         w, b, x, q, qb, qs, ref = layer_case(method, N, K, bias)
         qst = [(a, transposed(s), None if z is None else transposed(z)) for a, s, z in qs] if method == "int4" else None
         shipped = dict(quant_tables()["tuned_gemv"].get((method, N, K), {}))
-        pdl_ship = DEVICE.type == "cuda"      # as shipped (PDL on a GPU; the interpreter has none)
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
                "few_rows_gemm": quant_tables()["few_rows_gemm"].get((method, N, K)),
-               "shipped_us": graph_bench(
-                   lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ship)), qb),
-               "trials": []}
+               "shipped_us": shipped_us(x, qs, b, method, qb), "trials": []}
         row["shipped_GBps"] = qb / min(row["shipped_us"]) / 1e3
 
         def trial(cfg, pdl):
             ops = qst if cfg.get("SCALES_T") else qs
-            pdl = pdl and DEVICE.type == "cuda"
-            try:
-                y = run(x, *ops[0], b, cfg, pdl).float()
-                err = ((y - ref).abs().max() / ref.abs().max()).item()
-                us = graph_bench(lambda i: (lambda: run(x, *ops[i], b, cfg, pdl)), qb)
-            except Exception as e:                                  # a config that does not compile
-                row["trials"].append({**cfg, "pdl": pdl, "error": repr(e)[:200]}); return None
-            r = {**cfg, "pdl": pdl, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
-            row["trials"].append(r)
-            print(method, name, r, flush=True)
-            checked(err, (method, name, cfg))
-            return r
+            return time_trial(row, method, run, x, ops, b, cfg, pdl and DEVICE.type == "cuda", ref, qb)
 
         base = {"BLOCK_N": shipped.get("BLOCK_N", 64), "num_warps": shipped.get("num_warps", 4),
                 "SPLIT_K": shipped.get("SPLIT_K", 8)}
@@ -452,10 +424,7 @@ def lab(res, method: str, budget_s: float, smoke: bool):
                         cfg = {"BLOCK_N": bn, "num_warps": nw, "SPLIT_K": sk, **sw}
                         if bk is not None: cfg["BLOCK_K"] = bk
                         trial(cfg, pdl)
-        ok = [r for r in row["trials"] if "us" in r]
-        row["best"] = min(ok, key=lambda r: r["best_us"])
-        row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
-        row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+        best_trial(row)
         print(method, name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
         rows.append(row)
         del qs, qst, w; torch.cuda.empty_cache()
@@ -491,7 +460,7 @@ def read_speed(res, smoke: bool):
                     out = torch.empty(split, N, dtype=torch.int32, device=DEVICE)
                     run = lambda i: (lambda: lab_read_kernel[(N // bn, split)](ws[i][0], out, N, K // 8, per, K // 8,
                                                                              BLOCK_N=bn, W=W, num_warps=4))
-                    us = graph_bench(run, nbytes)
+                    us = graph_bench(run, nbytes, device=DEVICE)
                     r = {"layer": name, "N": N, "K": K, "run_bytes": 4 * W, "BLOCK_N": bn, "SPLIT_K": split,
                          "us": us, "GBps": nbytes / min(us) / 1e3}
                     print("read", r, flush=True)
@@ -503,32 +472,15 @@ def sweep(res, key, method, cands, budget_s, smoke):
     "Per 7B projection: the shipped path, then each candidate (config, pdl) of the lab kernel, within `budget_s`."
     rows = res.setdefault(key, [])
     run, method = RUNS[method], method[:4]
-    for name, N, K, bias in layer_shapes(smoke):
+    for name, N, K, bias in layer_shapes("7B", smoke, TINY):
         t0 = time.perf_counter()
         w, b, x, q, qb, qs, ref = layer_case(method, N, K, bias)
-        pdl_ok = DEVICE.type == "cuda"
-        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped_us": graph_bench(
-            lambda i: (lambda: quant_matmul(x, *qs[i], b, method, 128, pdl=pdl_ok)), qb), "trials": []}
+        row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped_us": shipped_us(x, qs, b, method, qb), "trials": []}
         for cfg, pdl in cands(N, K)[:2] if smoke else cands(N, K):
-            pdl = pdl and pdl_ok
             if time.perf_counter() - t0 > budget_s: break
             if N % cfg["BLOCK_N"] or (method == "int4" and (K // 128) % cfg.get("GPT", 1)): continue
-            try:
-                err = ((run(x, *qs[0], b, cfg, pdl).float() - ref).abs().max() / ref.abs().max()).item()
-                if cfg.get("ABL"): err = None                      # wrong by design
-                us = graph_bench(lambda i: (lambda: run(x, *qs[i], b, cfg, pdl)), qb)
-            except Exception as e:
-                row["trials"].append({**cfg, "pdl": pdl, "error": repr(e)[:200]}); continue
-            r = {**cfg, "pdl": pdl, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
-            row["trials"].append(r)
-            print(key, name, r, flush=True)
-            checked(err, (key, name, cfg))
-        ok = [r for r in row["trials"] if "us" in r]
-        if ok:
-            row["best"] = min(ok, key=lambda r: r["best_us"])
-            row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
-            row["worst_rel_err"] = max(r["rel_err"] for r in ok if r["rel_err"] is not None)
-            print(key, name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
+            time_trial(row, key, run, x, qs, b, cfg, pdl and DEVICE.type == "cuda", ref, qb)
+        if best_trial(row): print(key, name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
         rows.append(row)
         del qs, w; torch.cuda.empty_cache()
 
@@ -587,11 +539,8 @@ def main():
              "abl": lambda: sweep(res, "abl", "int4", abl_cands, 60.0, smoke),
              "sz": lambda: sweep(res, "sz", "int4", sz_cands, 60.0, smoke),
              "half": lambda: sweep(res, "half", "int4h", half_cands, 30.0, smoke)}
-    def save(name, err):
-        if err: res[f"{name}_error"] = err
-        write("quant_lab_h200.json", res, args)
-    run_parts(parts, ",".join(parts) if smoke else args.parts, save)
-    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
+    run_parts(parts, ",".join(parts) if smoke else args.parts, saver("quant_lab_h200.json", res, args))
+    exit_if_failed(res)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ Run on the device machine from the repo root:
     PYTHONPATH=. python kernels/quant_pipe_h200.py --out $OUT [--parts pipe,package,narrow,perm]
 Writes quant_pipe_h200.json (run metadata inside) after every projection.
 
-Parts: pipe, the lab kernel's load placements (and the tiled layout: TILED, SG) against the shipped kernel; package and narrow, the package's own `quant_gemv` on `tile_int4`'s layout swept over blocks,
-warps, splits (and register caps), per 7B projection and the 7B LM head; perm, the lab kernel on the package's
-final layout (PERM: its nibble order), its loop against Triton's pipeline.
+Parts: pipe, the lab kernel's load placements (and the tiled layout: TILED, SG) against the shipped kernel; package
+and narrow, the package's own `quant_gemv` on `tile_int4`'s layout swept over blocks, warps, splits (and register
+caps), per 7B projection and the 7B LM head; perm, the lab kernel on the package's final layout (PERM: its nibble
+order), its loop against Triton's pipeline.
 
 The shipped INT4 words path (`HALF2` + `SHIFT`: nibbles and activations in packed bf16 pairs, the zero point
 inside the pairs) prefetches the next group's weight words, but loads each group's scales, zero points and
@@ -30,13 +31,13 @@ import sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import device_or_skip, is_smoke, parser, run_parts, sync, time_cuda, write
+from lab import (best_trial, checked, device_or_skip, exit_if_failed, graph_bench, is_smoke, layer_shapes, max_rel_err,
+                 operand_copies, parser, run_parts, saver, tensor_bytes, trial_row, write)
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoserve.model import SHAPES
 from nanoserve.quant import (NIBBLES, PAIRS_ASM_SHIFT, _pairs_emulated, _x_pairs, _x_words, gemv_tile, pack_int4,
                              quant_gemv, quant_matmul, quant_matmul_ref, quant_tables, quantize_int4, tile_int4,
                              unpack_int4)
@@ -49,37 +50,6 @@ TINY = [("down_proj", 256, 1024, False)]                                 # --smo
 SMOKE_SHIPPED = {"BLOCK_N": 64, "num_warps": 4, "SPLIT_K": 2}            # a stand-in table entry for it
 
 
-def layer_shapes(smoke: bool):
-    "(name, N out, K in, has bias) of a 7B decoder layer's linear layers (a tiny one under --smoke)."
-    if smoke: return TINY
-    c = SHAPES["7B"]
-    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // heads
-    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
-            ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
-
-
-def copies_for(size: int) -> int:
-    "Operand copies that make a timed pass read >= 256 MB on a GPU (five times L2: no call finds its weights cached)."
-    return max(1, min(32, -(-(256 << 20) // max(size, 1)))) if DEVICE.type == "cuda" else 1
-
-
-def graph_bench(make_call, size: int) -> list[float]:
-    """us per call of `make_call(i)()` over `copies_for(size)` operand copies, as a decode step sees it: on a GPU the
-    calls captured in one CUDA graph, replayed ten times a pass, one value per pass (two); on a CPU, one call."""
-    n = copies_for(size)
-    calls = [make_call(i) for i in range(n)]
-    for c in calls: c()                               # compile, pick algorithms, make the split counters
-    if DEVICE.type != "cuda": return [t * 1e6 for t in time_cuda(calls[0], reps=1, warmup=0, device=DEVICE)]
-    sync(DEVICE)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls: c()
-    g.replay(); sync(DEVICE)
-    return [t * 1e6 / (10 * n) for t in time_cuda(lambda: [g.replay() for _ in range(10)], reps=2, warmup=0,
-                                                   device=DEVICE)]
-
-
 def layer_case(N: int, K: int):
     """One INT4 projection at one row: bf16 weight, input, its quantized form (groups of 128), its bytes, copies for
     graph_bench, and the fp32 reference output."""
@@ -87,14 +57,8 @@ def layer_case(N: int, K: int):
     w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.02
     x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
     q = quantize_int4(w, 128)
-    qb = q[0].numel() + q[1].numel() * 4 + q[2].numel()
-    qs = [q] + [tuple(t.clone() for t in q) for _ in range(copies_for(qb) - 1)]
-    return w, x, q, qb, qs, quant_matmul_ref(x.float(), *q, None, "int4", 128)
-
-
-def checked(err, what) -> None:
-    "A kernel more than 2% off the reference fails the run."
-    assert err < 0.02, (what, err)
+    qb = tensor_bytes(q)
+    return w, x, q, qb, operand_copies(q, qb), quant_matmul_ref(x.float(), *q, None, "int4", 128)
 
 
 @triton.jit
@@ -282,7 +246,7 @@ PIPE_BUDGETS = (("gate_up_proj", 150.0), ("down_proj", 150.0), ("qkv_proj", 60.0
 def pipe_sweep(res, smoke: bool, save=lambda: None, cands_of=None, key="pipe", near=True):
     "Per 7B projection: the shipped kernel, then the candidates (PDL on), within each projection's budget."
     rows = res.setdefault(key, [])
-    shapes = {name: (N, K) for name, N, K, _ in layer_shapes(smoke)}
+    shapes = {name: (N, K) for name, N, K, _ in layer_shapes("7B", smoke, TINY)}
     pdl = DEVICE.type == "cuda"
     for name, budget_s in [(n, 0.0) for n in shapes] if smoke else PIPE_BUDGETS:
         N, K = shapes[name]
@@ -290,13 +254,13 @@ def pipe_sweep(res, smoke: bool, save=lambda: None, cands_of=None, key="pipe", n
         w, x, q, qb, qs, ref = layer_case(N, K)
         shipped = SMOKE_SHIPPED if smoke else quant_tables()["tuned_gemv"].get(("int4", N, K))
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": shipped,
-               "shipped_us": graph_bench(
-                   lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=pdl)), qb), "trials": []}
+               "shipped_us": graph_bench(lambda i: (lambda: quant_matmul(x, *qs[i], None, "int4", 128, pdl=pdl)), qb,
+                                         device=DEVICE), "trials": []}
         tile = gemv_tile(N, K, 128)
         if tile:                                  # the package as it ships: its layout and table
             shipped_ops = [tile_int4(*c, 128, tile) for c in qs]
             row["package_us"] = graph_bench(
-                lambda i: (lambda: quant_matmul(x, *shipped_ops[i], None, "int4", 128, pdl=pdl)), qb)
+                lambda i: (lambda: quant_matmul(x, *shipped_ops[i], None, "int4", 128, pdl=pdl)), qb, device=DEVICE)
             del shipped_ops
         ops = {}
 
@@ -305,12 +269,11 @@ def pipe_sweep(res, smoke: bool, save=lambda: None, cands_of=None, key="pipe", n
                    cfg.get("PERM", False))
             if key not in ops: ops[key] = [pipe_operands(*c, *key) for c in qs]
             try:
-                y = pipe_int4(x, *ops[key][0], N, cfg, pdl).float()
-                err = ((y - ref).abs().max() / ref.abs().max()).item()
-                us = graph_bench(lambda i: (lambda: pipe_int4(x, *ops[key][i], N, cfg, pdl)), qb)
+                err = max_rel_err(pipe_int4(x, *ops[key][0], N, cfg, pdl), ref)
+                us = graph_bench(lambda i: (lambda: pipe_int4(x, *ops[key][i], N, cfg, pdl)), qb, device=DEVICE)
             except Exception as e:                                  # a config that does not compile
                 row["trials"].append({**cfg, "error": repr(e)[:300]}); print(name, cfg, repr(e)[:300]); return
-            r = {**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3}
+            r = trial_row(cfg, us, err, qb)
             row["trials"].append(r)
             print("pipe", name, round(min(row["shipped_us"]), 2), r, flush=True)
             checked(err, (name, cfg))
@@ -323,10 +286,7 @@ def pipe_sweep(res, smoke: bool, save=lambda: None, cands_of=None, key="pipe", n
         around = {k: v for k, v in best.items() if k not in ("us", "best_us", "rel_err", "GBps")}
         for cfg in (near_cands(around)[:1] if smoke else near_cands(around)) if near else ():
             trial(cfg)
-        ok = [r for r in row["trials"] if "us" in r]
-        row["best"] = min(ok, key=lambda r: r["best_us"])
-        row["speedup_vs_shipped"] = min(row["shipped_us"]) / row["best"]["best_us"]
-        row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+        best_trial(row)
         print("pipe", name, "shipped", min(row["shipped_us"]), "best", row["best"], flush=True)
         rows.append(row)
         save()
@@ -353,7 +313,8 @@ def package_sweep(res, smoke: bool, save=lambda: None, budget_s: float = 60.0, c
     layout at the shipped configuration as the control, and the package's choice (`quant_matmul` on what
     `QuantLinear` would store) in the same run."""
     rows = res.setdefault(key, [])
-    shapes = [(name, N, K) for name, N, K, _ in layer_shapes(smoke)] + ([] if smoke else [("lm_head", 152064, 3584)])
+    shapes = [(name, N, K) for name, N, K, _ in layer_shapes("7B", smoke, TINY)]
+    if not smoke: shapes.append(("lm_head", 152064, 3584))
     pdl = DEVICE.type == "cuda"
     for name, N, K in shapes:
         t0 = time.perf_counter()
@@ -367,26 +328,24 @@ def package_sweep(res, smoke: bool, save=lambda: None, budget_s: float = 60.0, c
             return tiled[t]
 
         row = {"layer": name, "N": N, "K": K, "bytes": qb, "shipped": ship, "tile": tile, "trials": [],
-               "rows_us": graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], None, "int4", 128, pdl=pdl)), qb)}
+               "rows_us": graph_bench(lambda i: (lambda: quant_gemv(x, *qs[i], None, "int4", 128, pdl=pdl)), qb,
+                                      device=DEVICE)}
         if tile:
             row["package_us"] = graph_bench(
-                lambda i: (lambda: quant_matmul(x, *layout(tile)[i], None, "int4", 128, pdl=pdl)), qb)
+                lambda i: (lambda: quant_matmul(x, *layout(tile)[i], None, "int4", 128, pdl=pdl)), qb, device=DEVICE)
         cands = [c for c in cands_of(N, K) if N % c["BLOCK_N"] == 0]
         for cfg in cands[:2] if smoke else cands:
             if not smoke and time.perf_counter() - t0 > budget_s: break
             ops = layout(cfg["BLOCK_N"])
             try:
-                y = quant_gemv(x, *ops[0], None, "int4", 128, config=cfg, pdl=pdl).float()
-                err = ((y - ref).abs().max() / ref.abs().max()).item()
+                err = max_rel_err(quant_gemv(x, *ops[0], None, "int4", 128, config=cfg, pdl=pdl), ref)
                 us = graph_bench(lambda i: (lambda: quant_gemv(x, *ops[i], None, "int4", 128, config=cfg, pdl=pdl)),
-                                 qb)
+                                 qb, device=DEVICE)
             except Exception as e:
                 row["trials"].append({**cfg, "error": repr(e)[:300]}); print(name, cfg, repr(e)[:300]); continue
-            row["trials"].append({**cfg, "us": us, "best_us": min(us), "rel_err": err, "GBps": qb / min(us) / 1e3})
+            row["trials"].append(trial_row(cfg, us, err, qb))
             checked(err, (name, cfg))
-        ok = [r for r in row["trials"] if "us" in r]
-        row["best"] = min(ok, key=lambda r: r["best_us"])
-        row["worst_rel_err"] = max(r["rel_err"] for r in ok)
+        ok = best_trial(row)
         print(key, name, "rows", round(min(row["rows_us"]), 2), "package",
               round(min(row.get("package_us", [0])), 2), "best", row["best"], len(ok), flush=True)
         rows.append(row)
@@ -399,15 +358,13 @@ def main():
     device_or_skip(args)
     smoke = is_smoke(args)
     res = {"timer": "graph_bench (us per call, two passes)"}
-    save = lambda: write("quant_pipe_h200.json", res, args)
+    out = "quant_pipe_h200.json"
+    save = lambda: write(out, res, args)                 # after every projection, as well as after every part
     parts = {"pipe": lambda: pipe_sweep(res, smoke, save), "package": lambda: package_sweep(res, smoke, save),
              "narrow": lambda: package_sweep(res, smoke, save, cands_of=narrow_cands, key="narrow"),
              "perm": lambda: pipe_sweep(res, smoke, save, cands_of=perm_cands, key="perm", near=False)}
-    def after(name, err):
-        if err: res[f"{name}_error"] = err
-        save()
-    run_parts(parts, ",".join(parts) if smoke else args.parts, after)
-    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
+    run_parts(parts, ",".join(parts) if smoke else args.parts, saver(out, res, args))
+    exit_if_failed(res)
 
 
 if __name__ == "__main__":
