@@ -1,15 +1,15 @@
 """Where a one-row quantized GEMV's warps stall: a 7B projection's kernel under Nsight Compute, when the device image
-has `ncu`. By default the gate/up projection, INT4 then INT8 from the tuned tables (a checked
-call, then four more each); `--method` and
-`--config` (JSON over the table, passed as `config=`) profile one variant, `--layer` another projection.
+has `ncu`. By default the gate/up projection, INT4 then INT8 from the tuned tables (a checked call, then four more
+each); `--method` and `--config` (JSON over the table, passed as `config=`) profile one variant, `--layer` another
+projection.
 
 Run on the device machine from the repo root:
     ncu --target-processes all -k regex:quant_gemv_kernel --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --csv python kernels/quant_ncu_h200.py > $OUT/quant_ncu_h200.csv
-With one `--method`, `--launch-skip 3` profiles its fourth call (a warm one, like the rest). Each kernel is checked against the reference
-before the profiled calls; Nsight Compute writes the data (this script writes no file). `--smoke`: a tiny layer on
-the CPU under the interpreter.
+With one `--method`, `--launch-skip 3` profiles its fourth call (a warm one, like the rest). Each kernel is checked
+against the reference before the profiled calls; Nsight Compute writes the data (this script writes no file).
+`--smoke`: a tiny layer on the CPU under the interpreter.
 """
 import json, sys
 from pathlib import Path
@@ -44,7 +44,8 @@ def main():
     config = json.loads(args.config) or None
     for method in ([args.method] if args.method else ["int4", "int8"]):
         q, x = operands(N, K, method, device)
-        err = rel_err(quant_gemv(x, *q, None, method, 128, config=config), quant_matmul_ref(x.float(), *q, None, method, 128))
+        out = quant_gemv(x, *q, None, method, 128, config=config)
+        err = rel_err(out, quant_matmul_ref(x.float(), *q, None, method, 128))
         assert err < 0.02, (method, err)                 # check first: the profiled calls follow
         for _ in range(3 if is_smoke(args) else 4): quant_gemv(x, *q, None, method, 128, config=config, pdl=False)
         sync(device)
