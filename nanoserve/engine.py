@@ -20,7 +20,7 @@ from .block_manager import BlockManager
 from .model import load_model
 from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
-from .runner import KernelConfig, ModelRunner, kv_block_bytes, kv_cache_blocks, model_kernels
+from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
 from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
 from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
@@ -366,9 +366,6 @@ class EngineStart(EngineLoad):
         if self.parallel:                # every rank holds its runner (and graphs); from here on steps go to all
             self.parallel.wait_ready()
             self.runner.step_sender = self.parallel.send_step
-
-    def _kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.model, self.block_size, self.dtype)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         ec = self.engine_config
