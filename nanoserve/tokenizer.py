@@ -86,11 +86,28 @@ def train_tiny_tokenizer(vocab_size: int = 3072) -> Tokenizer:
 
 # %% ../nbs/03_tokenizer.ipynb #d326e150
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    # the system turn: the conversation's own or a default; with tools, the tool list and how to call one
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set rest = messages[1:] %}"
+    "{% else %}{% set system = 'You are a helpful assistant.' %}{% set rest = messages %}{% endif %}"
+    "{{ '<|im_start|>system\\n' + system }}"
+    "{% if tools %}{{ '\\n\\n# Tools\\n\\nYou may call functions to help with the request. Their signatures are "
+    "inside <tools></tools>, one JSON object a line:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call a function, answer with a JSON object of its name and arguments inside "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call>' }}{% endif %}{{ '<|im_end|>\\n' }}"
+    "{% for m in rest %}"
+    "{% if m['role'] == 'tool' %}"          # consecutive tool results: one user turn
+    "{% if loop.first or rest[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or rest[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% elif m['role'] == 'assistant' and m.tool_calls %}"
+    "{{ '<|im_start|>assistant' }}{% if m['content'] %}{{ '\\n' + m['content'] }}{% endif %}"
+    "{% for call in m.tool_calls %}{% set f = call.function if call.function is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{{ f.arguments if f.arguments is string else (f.arguments | tojson) }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
