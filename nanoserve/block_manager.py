@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 # %% auto #0
 __all__ = ['hash_block', 'Block', 'CacheConfig', 'BlockPool', 'evict_block', 'take_free_block', 'acquire_block', 'release_blocks',
-           'BlockTables', 'check_tables', 'check_blocks', 'prefix_hits', 'PrefixCache', 'BlockManager']
+           'BlockTables', 'check_tables', 'check_blocks', 'prefix_hits', 'PrefixCache', 'ForkTables', 'BlockManager']
 
 # %% ../nbs/00_block_manager.ipynb #fffac851
 def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
@@ -122,6 +122,7 @@ class BlockTables(BlockPool):
         self._tables: dict[int, list[int]] = {}                # seq_id -> block ids
         self._table_arrays: dict[int, array] = {}              # the same, as int64 arrays (for packing a step)
         self._hashes: dict[int, list[bytes]] = {}              # seq_id -> hashes of its full computed blocks
+        self._num_computed_blocks: dict[int, int] = {}         # seq_id -> its leading full, computed blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         "Blocks needed to hold `num_tokens` tokens."
@@ -132,9 +133,10 @@ class BlockTables(BlockPool):
         return self._table_arrays[seq_id].tobytes()
     def __contains__(self, seq_id: int) -> bool: return seq_id in self._tables
 
-    def _add_table(self, seq_id: int, table: list[int], hashes: list[bytes]) -> None:
+    def _add_table(self, seq_id: int, table: list[int], hashes: list[bytes], num_computed_blocks: int | None = None):
         self._tables[seq_id], self._hashes[seq_id] = table, hashes
         self._table_arrays[seq_id] = array("q", table)
+        self._num_computed_blocks[seq_id] = len(hashes) if num_computed_blocks is None else num_computed_blocks
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         "Whether `seq_id` can grow to hold `num_tokens` tokens in total."
@@ -161,8 +163,7 @@ class BlockTables(BlockPool):
     def free(self, seq_id: int) -> None:
         "Return `seq_id`'s blocks; named ones stay cached (LRU) until their room is needed."
         table = self._tables.pop(seq_id)
-        del self._table_arrays[seq_id]
-        del self._hashes[seq_id]
+        del self._table_arrays[seq_id], self._hashes[seq_id], self._num_computed_blocks[seq_id]
         release_blocks(self, table)
 
     def reset_prefix_cache(self) -> int:
@@ -178,7 +179,9 @@ def check_tables(t: BlockTables) -> list[int]:
     holders = [0] * t.num_blocks
     for seq_id, table in t._tables.items():
         assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
-        assert len(t._hashes[seq_id]) <= len(table)
+        num_hashed, num_computed = len(t._hashes[seq_id]), t._num_computed_blocks[seq_id]
+        assert num_hashed <= num_computed <= len(table), f"sequence {seq_id}: {num_computed} computed blocks"
+        if t.config.enable_prefix_caching: assert num_hashed == num_computed, f"sequence {seq_id}: unhashed blocks"
         assert t._table_arrays[seq_id].tolist() == table, f"sequence {seq_id}: its int64 table differs"
         for b in table: holders[b] += 1
     return holders
@@ -214,9 +217,9 @@ def prefix_hits(hash_to_block: dict[bytes, int], token_ids, block_size: int) -> 
 class PrefixCache(BlockTables):
     "Names full, computed blocks by their chained hash, and finds the leading blocks a new prompt can share."
 
-    def _prefix_hits(self, token_ids) -> tuple[list[int], list[bytes]]:
+    def _prefix_hits(self, token_ids, cache_prefix: bool = True) -> tuple[list[int], list[bytes]]:
         "Leading cached blocks of `token_ids` (never the block holding the last token) and their hashes."
-        if not self.config.enable_prefix_caching: return [], []
+        if not (cache_prefix and self.config.enable_prefix_caching): return [], []
         return prefix_hits(self._hash_to_block, token_ids, self.block_size)
 
     def num_cached_tokens(self, token_ids) -> int:
@@ -224,11 +227,13 @@ class PrefixCache(BlockTables):
         return len(self._prefix_hits(token_ids)[0]) * self.block_size
 
     def cache_blocks(self, seq_id: int, token_ids, num_computed_tokens: int) -> int:
-        "Name the full blocks of `seq_id` whose tokens are all computed, so later prompts can share them."
+        "Name the full blocks of `seq_id` whose tokens are all computed, so later prompts (and forks) can share them."
+        table, bs = self._tables[seq_id], self.block_size
+        num_full = min(num_computed_tokens // bs, len(table))
+        if num_full > self._num_computed_blocks[seq_id]: self._num_computed_blocks[seq_id] = num_full
         if not self.config.enable_prefix_caching: return 0
-        table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
-        num_named = 0
-        for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
+        hashes, num_named = self._hashes[seq_id], 0
+        for i in range(len(hashes), num_full):
             parent = hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
             hashes.append(parent)
             block_id = table[i]
@@ -238,8 +243,36 @@ class PrefixCache(BlockTables):
                 num_named += 1
         return num_named
 
+# %% ../nbs/00_block_manager.ipynb #994d25ea
+class ForkTables(PrefixCache):
+    "Sequences that share another's leading full, computed blocks by reference: forks (n choices of one prompt)."
+
+    def num_shareable_tokens(self, parent_id: int, num_tokens: int) -> int:
+        "Tokens a fork of `parent_id` over its first `num_tokens` tokens would share: whole computed blocks."
+        return min(num_tokens // self.block_size, self._num_computed_blocks[parent_id]) * self.block_size
+
+    def can_fork(self, parent_id: int, num_tokens: int, num_child_tokens: int, watermark: bool = True) -> bool:
+        "Whether a fork over `num_tokens` tokens, grown to `num_child_tokens`, fits (the watermark kept if asked)."
+        num_shared = self.num_shareable_tokens(parent_id, min(num_tokens, num_child_tokens)) // self.block_size
+        reserve = self.config.watermark_blocks if watermark else 0
+        return self.num_free_blocks - (self.num_blocks_for(num_child_tokens) - num_shared) >= reserve
+
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> int:
+        """Give `child_id` a table of `parent_id`'s leading full, computed blocks among its first `num_tokens`
+        tokens (shared: reference counts up, nothing copied); returns the tokens shared. The child's own first
+        `num_tokens` tokens must be the parent's; it grows with `append_slots` for the rest."""
+        if child_id in self._tables: raise ValueError(f"sequence {child_id} already has blocks")
+        if parent_id not in self._tables: raise ValueError(f"sequence {parent_id} holds no blocks to fork")
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        k = self.num_shareable_tokens(parent_id, num_tokens) // self.block_size
+        shared = self._tables[parent_id][:k]
+        for b in shared: acquire_block(self, b)
+        self._add_table(child_id, shared, self._hashes[parent_id][:k], k)
+        return k * self.block_size
+
 # %% ../nbs/00_block_manager.ipynb #defc6137
-class BlockManager(PrefixCache):
+class BlockManager(ForkTables):
     "Hands out KV cache blocks: free list, per-sequence block tables, reference counts and a prefix cache."
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
@@ -248,26 +281,27 @@ class BlockManager(PrefixCache):
         self.num_hit_tokens = 0      # prefix-cache hits, in tokens, over all allocations
         self.num_queried_tokens = 0  # prompt tokens that could have hit
 
-    def can_allocate(self, token_ids, watermark: bool = True) -> bool:
+    def can_allocate(self, token_ids, watermark: bool = True, cache_prefix: bool = True) -> bool:
         "Whether a sequence with these tokens can get its blocks now, leaving the watermark free if asked."
-        hit_ids, _ = self._prefix_hits(token_ids)
+        hit_ids, _ = self._prefix_hits(token_ids, cache_prefix)
         num_new = self.num_blocks_for(len(token_ids)) - len(hit_ids)
         num_revived = sum(1 for b in hit_ids if self._ref_counts[b] == 0)  # cached blocks leave the pool
         reserve = self.config.watermark_blocks if watermark else 0
         return self.num_free_blocks - num_revived - num_new >= reserve
 
-    def allocate(self, seq_id: int, token_ids) -> int:
-        "Give `seq_id` blocks for all of `token_ids`, sharing cached prefix blocks; returns cached tokens."
+    def allocate(self, seq_id: int, token_ids, cache_prefix: bool = True) -> int:
+        """Give `seq_id` blocks for all of `token_ids`, sharing cached prefix blocks unless `cache_prefix` is False
+        (every position computed, e.g. for prompt logprobs); returns cached tokens."""
         if seq_id in self._tables: raise ValueError(f"sequence {seq_id} already has blocks")
         if len(token_ids) == 0: raise ValueError("cannot allocate an empty sequence")
-        if not self.can_allocate(token_ids, watermark=False):
+        if not self.can_allocate(token_ids, watermark=False, cache_prefix=cache_prefix):
             raise RuntimeError(f"not enough free blocks for sequence {seq_id}: check can_allocate first")
-        hit_ids, hashes = self._prefix_hits(token_ids)
+        hit_ids, hashes = self._prefix_hits(token_ids, cache_prefix)
         for b in hit_ids: acquire_block(self, b)
         table = hit_ids + [take_free_block(self) for _ in range(self.num_blocks_for(len(token_ids)) - len(hit_ids))]
         self._add_table(seq_id, table, hashes)
         num_cached = len(hit_ids) * self.block_size
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and cache_prefix:
             self.num_hit_tokens += num_cached
             self.num_queried_tokens += len(token_ids)
         return num_cached

@@ -17,10 +17,11 @@ from .block_manager import BlockManager, CacheConfig
 
 # %% auto #0
 __all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'ScheduledSeq', 'Step', 'Trace', 'check_new_request',
-           'check_request_fits', 'seq_chunk', 'decode_chunk', 'SchedulerQueues', 'SchedulerMoves', 'schedule_decodes',
-           'schedule_prefills', 'admit_waiting', 'advance_seqs', 'resolve_seqs', 'check_queues', 'check_sequences',
-           'Scheduler', 'write_fake_kv', 'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult',
-           'feed_requests', 'simulate', 'replay']
+           'check_request_fits', 'seq_chunk', 'decode_chunk', 'SchedulerQueues', 'SchedulerMoves', 'num_fork_tokens',
+           'admission_kind', 'admission_blocker', 'schedule_decodes', 'schedule_prefills', 'admit_waiting',
+           'advance_seqs', 'resolve_seqs', 'check_queues', 'check_sequences', 'Scheduler', 'write_fake_kv',
+           'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult', 'feed_requests', 'simulate',
+           'replay']
 
 # %% ../nbs/01_scheduler.ipynb #51df287c
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class Sequence:
     arrival_step: int | None = None
     first_token_step: int | None = None
     finish_step: int | None = None
+    fork_of: int | None = None       # n > 1: the seq id of the parent whose prompt it shares, and whose blocks it forks
+    cache_prefix: bool = True        # False: no prefix-cache hits and no fork (prompt logprobs need every position)
+    num_prefill_tokens: int = 0      # prompt positions this sequence computed itself (recompute counted again)
+    num_shared_tokens: int = 0       # prompt tokens taken from its parent's blocks at first admission
 
     @property
     def num_prompt_tokens(self) -> int: return len(self.prompt_token_ids)
@@ -155,13 +160,18 @@ class Trace:
 
 # %% ../nbs/01_scheduler.ipynb #63b37fd6
 def check_new_request(seq: Sequence, in_use) -> None:
-    "Raise `ValueError` unless `seq` is a new request with an unused id, a prompt and a positive `max_tokens`."
+    """Raise `ValueError` unless `seq` is a new request with an unused id, a prompt and a positive `max_tokens`,
+    and, if it forks a sequence in `in_use`, the same prompt as that one."""
     if seq.seq_id in in_use: raise ValueError(f"sequence id {seq.seq_id} is already in use")
     if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.num_computed_tokens:
         raise ValueError(f"sequence {seq.seq_id} is not new")
     if seq.num_prompt_tokens == 0: raise ValueError("the prompt is empty")
     if not isinstance(seq.max_tokens, int) or seq.max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {seq.max_tokens!r}")
+    if seq.fork_of == seq.seq_id: raise ValueError(f"sequence {seq.seq_id} cannot fork itself")
+    parent = in_use.get(seq.fork_of) if seq.fork_of is not None else None
+    if parent is not None and parent.prompt_token_ids != seq.prompt_token_ids:
+        raise ValueError(f"sequence {seq.seq_id} forks sequence {seq.fork_of} but their prompts differ")
 
 # %% ../nbs/01_scheduler.ipynb #f7988dad
 def check_request_fits(seq: Sequence, config: SchedulerConfig, bm: BlockManager) -> None:
@@ -250,14 +260,20 @@ class SchedulerQueues:
 class SchedulerMoves(SchedulerQueues):
     "A request's moves between the queues: admitted (waiting to running), preempted (running back to waiting)."
 
-    def _admit(self, seq: Sequence) -> None:
-        num_cached = self.block_manager.allocate(seq.seq_id, seq.all_token_ids)
-        if seq.num_preemptions == 0: seq.num_cached_tokens = num_cached
-        seq.num_computed_tokens = num_cached
+    def _admit(self, seq: Sequence, parent: Sequence | None = None) -> None:
+        "Give `seq` its blocks (forked from `parent`'s, or allocated with prefix hits) and start it running."
+        bm, num_cached, num_shared = self.block_manager, 0, 0
+        if parent is None: num_cached = bm.allocate(seq.seq_id, seq.all_token_ids, seq.cache_prefix)
+        else:
+            num_shared = bm.fork(parent.seq_id, seq.seq_id, num_fork_tokens(seq, bm.block_size))
+            bm.append_slots(seq.seq_id, seq.num_tokens)
+        if seq.num_preemptions == 0: seq.num_cached_tokens, seq.num_shared_tokens = num_cached, num_shared
+        seq.num_computed_tokens = num_cached + num_shared
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._record("admit", seq=seq.seq_id, cached=num_cached, tokens=seq.num_tokens,
-                     recompute=seq.num_preemptions > 0)
+                     recompute=seq.num_preemptions > 0,
+                     **({"fork_of": parent.seq_id, "shared": num_shared} if parent is not None else {}))
 
     def _preempt(self, seq: Sequence, for_seq: int) -> None:
         self.running.remove(seq)
@@ -267,6 +283,41 @@ class SchedulerMoves(SchedulerQueues):
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._record("preempt", seq=seq.seq_id, for_seq=for_seq, computed=seq.max_computed_tokens)
+
+# %% ../nbs/01_scheduler.ipynb #18122083
+def num_fork_tokens(seq: Sequence, block_size: int) -> int:
+    "Prompt tokens a forked `seq` takes from its parent: the prompt's full blocks, never the one with its last token."
+    if seq.fork_of is None or not seq.cache_prefix: return 0
+    return (seq.num_prompt_tokens - 1) // block_size * block_size
+
+# %% ../nbs/01_scheduler.ipynb #fc3a3ebe
+def admission_kind(sched: SchedulerMoves, seq: Sequence) -> tuple[str, Sequence | None]:
+    """How a waiting `seq` is admitted now: ("fork", parent) once its parent holds the blocks to share, computed;
+    ("wait", parent) while it will (the parent is waiting, or still computing them); else ("allocate", None)."""
+    num_shared = num_fork_tokens(seq, sched.block_manager.block_size)
+    parent = sched.seqs.get(seq.fork_of) if num_shared else None
+    if parent is None: return "allocate", None
+    if parent.seq_id in sched.block_manager:
+        if parent.num_computed_tokens >= num_shared: return "fork", parent
+        waits = True
+    else: waits = parent.status is SequenceStatus.WAITING     # preempted or not yet admitted: it comes back
+    return ("wait", parent) if waits and sched.config.policy == "continuous" else ("allocate", None)
+
+# %% ../nbs/01_scheduler.ipynb #2abb71dd
+def admission_blocker(sched: SchedulerMoves, seq: Sequence, parent: Sequence | None, budget: int) -> str | None:
+    "Why `seq` (forked from `parent`, if given) cannot be admitted now: max_num_seqs, budget or blocks; else None."
+    cfg, bm = sched.config, sched.block_manager
+    if len(sched.running) >= cfg.batch_limit: return "max_num_seqs"
+    if budget == 0 and cfg.policy != "static": return "budget"
+    watermark = bool(sched.running)
+    if parent is None:
+        if not cfg.enable_chunked_prefill and seq.num_tokens > budget: return "budget"
+        fits = bm.can_allocate(seq.all_token_ids, watermark=watermark, cache_prefix=seq.cache_prefix)
+        return None if fits else "blocks"
+    num_shared = bm.num_shareable_tokens(parent.seq_id, num_fork_tokens(seq, bm.block_size))
+    if not cfg.enable_chunked_prefill and seq.num_tokens - num_shared > budget: return "budget"
+    fits = bm.can_fork(parent.seq_id, num_shared, seq.num_tokens, watermark=watermark)
+    return None if fits else "blocks"
 
 # %% ../nbs/01_scheduler.ipynb #d49ab6f9
 def schedule_decodes(sched: SchedulerMoves, scheduled: list, preempted: list, budget: int) -> int:
@@ -307,24 +358,25 @@ def schedule_prefills(sched: SchedulerMoves, scheduled: list, budget: int) -> in
 # %% ../nbs/01_scheduler.ipynb #fa3fd10a
 def admit_waiting(sched: SchedulerMoves, scheduled: list, preempted: list, budget: int) -> None:
     """Pass 3: admit from the head of the waiting queue while the batch limit, the budget and the blocks allow,
-    each with its first chunk in this step; nobody in a step that preempted, or beside a running static batch."""
-    cfg, bm = sched.config, sched.block_manager
-    if cfg.policy == "static" and sched.running and sched.waiting:
-        sched._record("wait", seq=sched.waiting[0].seq_id, reason="static_batch")
-    elif preempted and sched.waiting:
-        sched._record("wait", seq=sched.waiting[0].seq_id, reason="preempted")
+    each with its first chunk in this step; nobody in a step that preempted, or beside a running static batch.
+    A fork waiting for its parent's blocks is passed over, and keeps its place."""
+    cfg, bm, waiting = sched.config, sched.block_manager, sched.waiting
+    if cfg.policy == "static" and sched.running and waiting:
+        sched._record("wait", seq=waiting[0].seq_id, reason="static_batch")
+    elif preempted and waiting:
+        sched._record("wait", seq=waiting[0].seq_id, reason="preempted")
     else:
-        static = cfg.policy == "static"
-        while sched.waiting:
-            seq, reason = sched.waiting[0], None
-            if len(sched.running) >= cfg.batch_limit: reason = "max_num_seqs"
-            elif budget == 0 and not static: reason = "budget"
-            elif not cfg.enable_chunked_prefill and seq.num_tokens > budget: reason = "budget"
-            elif not bm.can_allocate(seq.all_token_ids, watermark=bool(sched.running)): reason = "blocks"
+        i = 0
+        while i < len(waiting):
+            seq = waiting[i]
+            kind, parent = admission_kind(sched, seq) if seq.fork_of is not None else ("allocate", None)
+            if kind == "wait":
+                sched._record("wait", seq=seq.seq_id, reason="parent"); i += 1; continue
+            reason = admission_blocker(sched, seq, parent, budget)
             if reason:
                 sched._record("wait", seq=seq.seq_id, reason=reason); break
-            sched.waiting.popleft()
-            sched._admit(seq)
+            del waiting[i]
+            sched._admit(seq, parent)
             n = min(seq.num_uncomputed_tokens, budget)
             if n: scheduled.append(seq_chunk(bm, seq, n)); budget -= n
 
@@ -342,6 +394,8 @@ def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
         n, computed = len(s.token_ids), seq.num_computed_tokens
         if s.start_pos < seq.max_computed_tokens:   # computed before a preemption: this is recompute
             seq.num_recomputed_tokens += min(s.start_pos + n, seq.max_computed_tokens) - s.start_pos
+        if s.start_pos < len(seq.prompt_token_ids):   # prefill: prompt positions computed (forks skip theirs)
+            seq.num_prefill_tokens += min(s.start_pos + n, len(seq.prompt_token_ids)) - s.start_pos
         if (computed + n) // bs > computed // bs:   # a block filled up
             sched.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, computed + n)
         seq.num_computed_tokens = computed = computed + n
@@ -501,6 +555,15 @@ class Request:
     output_len: int
     arrival_step: int = 0
     abort_step: int | None = None    # abort it when the scheduler reaches this step, if still unfinished
+    fork_of: int | None = None       # another request's seq_id whose prompt it shares (n > 1): see `Sequence`
+    cache_prefix: bool = True
+
+    def record(self) -> dict:
+        "As a trace records it: the fork fields only when set, so traces from before them still replay."
+        d = asdict(self)
+        if self.fork_of is None: del d["fork_of"]
+        if self.cache_prefix: del d["cache_prefix"]
+        return d
 
 # %% ../nbs/01_scheduler.ipynb #9b594da1
 def lognormal_workload(num_requests: int = 64, seed: int = 0, prompt_median: float = 64, output_median: float = 32,
@@ -539,7 +602,8 @@ def feed_requests(sched: Scheduler, pending: deque, aborts: list, done: dict) ->
         sched.num_steps = pending[0].arrival_step   # idle: jump to the next arrival
     while pending and pending[0].arrival_step <= sched.num_steps:
         r = pending.popleft()
-        sched.add(Sequence(r.seq_id, list(r.prompt_token_ids), max_tokens=r.output_len))
+        sched.add(Sequence(r.seq_id, list(r.prompt_token_ids), max_tokens=r.output_len, fork_of=r.fork_of,
+                           cache_prefix=r.cache_prefix))
     while aborts and aborts[0][0] <= sched.num_steps:
         seq = sched.abort(aborts.pop(0)[1])
         if seq is not None: done[seq.seq_id] = seq
@@ -555,7 +619,7 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
     model = FakeModel(cache_config.num_blocks, cache_config.block_size, check_kv=check_kv)
     if trace is not None:
         trace.record("config", 0, scheduler=asdict(scheduler_config), cache=asdict(cache_config),
-                     requests=[asdict(r) for r in requests])
+                     requests=[r.record() for r in requests])
     pending = deque(sorted(requests, key=lambda r: (r.arrival_step, r.seq_id)))
     aborts = sorted((r.abort_step, r.seq_id) for r in requests if r.abort_step is not None)
     done: dict[int, Sequence] = {}

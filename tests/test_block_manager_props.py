@@ -14,7 +14,11 @@ few blocks. After every rule the manager's own `check_invariants()` runs, and th
 - a named block's hash is the chained hash of the tokens actually computed into it;
 - fresh blocks come from the free list before any cached block is evicted, and evictions take the least recently
   used cached block (a freed table queues its tail first);
-- named blocks held by a sequence stay findable; reset_prefix_cache forgets exactly the unheld ones.
+- named blocks held by a sequence stay findable; reset_prefix_cache forgets exactly the unheld ones;
+- a fork shares exactly the parent's leading full blocks it has computed among the tokens asked for (never
+  copied: the same ids, reference counts up), `can_fork` agrees with whether fork + append_slots fits, and
+  freeing either side (in any order, with preemption as free + allocate again) keeps every invariant;
+- an allocation with `cache_prefix=False` takes no prefix hits and leaves the hit counters alone.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ def snapshot(bm: BlockManager):
     "Everything a refused call must leave alone."
     return (tuple((b.block_id, b.ref_count, b.hash) for b in bm.blocks), list(bm._free_ids), list(bm._cached),
             dict(bm._hash_to_block), {k: list(v) for k, v in bm._tables.items()},
-            {k: list(v) for k, v in bm._hashes.items()}, bm.num_hit_tokens, bm.num_queried_tokens)
+            {k: list(v) for k, v in bm._hashes.items()}, bm.num_hit_tokens, bm.num_queried_tokens,
+            dict(bm._num_computed_blocks))
 
 
 def chain_hash(tokens, block_size: int) -> bytes:
@@ -87,32 +92,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def num_named(self) -> int: return sum(b.hash is not None for b in self.bm.blocks)
 
     # -- rules --------------------------------------------------------------------------------------------
-    def _allocate(self, data) -> int | None:
-        "Allocate a drawn prompt under a new id, checking everything; returns the id, or None if refused."
+    def _allocate(self, data, prompt: list[int] | None = None) -> int | None:
+        "Allocate a drawn prompt (or `prompt`) under a new id, checking everything; returns the id, or None if refused."
         bm, bs = self.bm, self.bs
-        prompt = self.draw_tokens(data, max_len=min(bm.num_blocks * bs + bs, 4 * bs + 3), min_len=1)
+        if prompt is None: prompt = self.draw_tokens(data, max_len=min(bm.num_blocks * bs + bs, 4 * bs + 3), min_len=1)
         seq_id, self.next_id = self.next_id, self.next_id + 1
-        expected_hits = bm.num_cached_tokens(prompt)
-        can, can_wm = bm.can_allocate(prompt, watermark=False), bm.can_allocate(prompt, watermark=True)
+        cache_prefix = data.draw(st.sampled_from([True, True, False]))
+        expected_hits = bm.num_cached_tokens(prompt) if cache_prefix else 0
+        can = bm.can_allocate(prompt, watermark=False, cache_prefix=cache_prefix)
+        can_wm = bm.can_allocate(prompt, watermark=True, cache_prefix=cache_prefix)
         assert can or not can_wm, "the watermark can only make admission harder"
         before, in_use, free_before = snapshot(bm), self.in_use(), bm.num_free_blocks
         unnamed_free, named_before = self.num_unnamed_free(), self.num_named()
         if not can:
             with pytest.raises(RuntimeError, match="not enough free blocks"):
-                bm.allocate(seq_id, prompt)
+                bm.allocate(seq_id, prompt, cache_prefix=cache_prefix)
             assert snapshot(bm) == before, "a refused allocate changed the manager"
             assert seq_id not in bm
             event("allocate refused")
             return None
         hit_tokens_before, queried_before = bm.num_hit_tokens, bm.num_queried_tokens
-        num_cached = bm.allocate(seq_id, prompt)
+        num_cached = bm.allocate(seq_id, prompt, cache_prefix=cache_prefix)
         self.history.append(prompt)
         table = list(bm.block_table(seq_id))
         assert num_cached == expected_hits
         assert num_cached % bs == 0
         assert num_cached < len(prompt), "a prefix hit included the block with the prompt's last token"
         assert num_cached <= bs * ((len(prompt) - 1) // bs)
-        if not self.prefix: assert num_cached == 0
+        if not self.prefix or not cache_prefix:
+            assert num_cached == 0
+            assert (bm.num_hit_tokens, bm.num_queried_tokens) == (hit_tokens_before, queried_before)
         else:
             assert bm.num_hit_tokens == hit_tokens_before + num_cached
             assert bm.num_queried_tokens == queried_before + len(prompt)
@@ -220,6 +229,53 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert (b in bm._cached) == (bm.blocks[b].hash is not None)
         # the tail of the table is queued for eviction first: walk it backwards
         self.lru += [b for b in reversed(table) if b in released and bm.blocks[b].hash is not None]
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def fork(self, data):
+        "Fork a held sequence over a drawn number of its leading tokens, then grow the child to its own length."
+        bm, bs = self.bm, self.bs
+        parent = data.draw(st.sampled_from(sorted(self.tables)))
+        ptokens = self.tokens[parent]
+        keep = data.draw(st.integers(0, len(ptokens)))
+        child = list(ptokens[:keep]) + data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=2 * bs))
+        if not child: child = [0]
+        num_tokens = data.draw(st.integers(0, min(keep, len(child))))     # tokens the child has in common
+        k = min(num_tokens // bs, self.computed[parent] // bs)             # only computed full blocks are shared
+        assert bm.num_shareable_tokens(parent, num_tokens) == k * bs
+        need = ceil_div(len(child), bs) - k
+        can = bm.can_fork(parent, num_tokens, len(child), watermark=False)
+        assert can == (need <= bm.num_free_blocks)
+        assert bm.can_fork(parent, num_tokens, len(child)) == (bm.num_free_blocks - need >= bm.config.watermark_blocks)
+        if not can:
+            event("fork refused")
+            return
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        in_use, unnamed_free, free_before = self.in_use(), self.num_unnamed_free(), bm.num_free_blocks
+        refs_before = [b.ref_count for b in bm.blocks]
+        assert bm.fork(parent, seq_id, num_tokens) == k * bs
+        shared = self.tables[parent][:k]
+        assert bm.block_table(seq_id) == shared, "a fork copied instead of sharing"
+        for b in shared: assert bm.blocks[b].ref_count == refs_before[b] + 1
+        assert bm.num_free_blocks == free_before, "a fork took blocks from the pool"
+        new_ids = bm.append_slots(seq_id, len(child))
+        assert len(new_ids) == need and not set(new_ids) & in_use
+        for b in new_ids: self.content.pop(b, None)
+        self.check_evictions(new_ids, unnamed_free)
+        self.tokens[seq_id], self.computed[seq_id], self.tables[seq_id] = child, k * bs, shared + new_ids
+        self.history.append(child)
+        event("fork shares blocks" if k else "fork shares nothing")
+        with pytest.raises(ValueError, match="already has blocks"):
+            bm.fork(parent, seq_id, num_tokens)
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def preempt(self, data):
+        "Free a sequence and allocate its tokens again (preemption by recompute), as a new id."
+        seq_id = data.draw(st.sampled_from(sorted(self.tables)))
+        tokens = list(self.tokens[seq_id])
+        self._free(seq_id)
+        self._allocate(data, prompt=tokens)
 
     @rule(data=st.data())
     def allocate(self, data):
