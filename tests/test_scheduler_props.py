@@ -11,6 +11,10 @@ Three layers:
 2. `@given` properties over `simulate(lognormal_workload(...))`: tight vs roomy pools, static vs continuous,
    random aborts.
 3. Targeted regression tests (a)-(j) for the failure modes the notebook names and the bugs these tests found.
+4. Forks (n choices of one prompt, `Sequence.fork_of`): `@given` workloads of forked groups under preemption,
+   aborts, both policies, with and without prefix caching (invariants every step, no hang, every choice's own
+   tokens, prompt tokens computed = the prompt less what was cached or shared), the prompt computed once with
+   room for everything, and the parent aborted or preempted around its child.
 
 The reference for "the same requests on an unlimited pool" is itself checked against `oracle_tokens`, which
 drives the fake model with one contiguous block table and no scheduler at all.
@@ -873,3 +877,134 @@ def test_j_cancel_does_not_count_recompute_twice():
     assert cancelled
     assert victim.num_recomputed_tokens == computed_before, \
         f"recomputed {computed_before} tokens, counted {victim.num_recomputed_tokens}"
+
+
+# == 4. forks: n choices of one prompt =======================================================================
+@st.composite
+def fork_workloads(draw):
+    "Groups of 1-4 choices of one prompt (choices 1.. fork choice 0), some aborted, on a pool that preempts."
+    bs = draw(st.sampled_from([1, 2, 4, 4, 16]), label="block_size")
+    reqs = []
+    for _ in range(draw(st.integers(1, 4), label="groups")):
+        plen = draw(st.integers(1, 40))
+        prompt = draw(st.lists(st.integers(0, 2), min_size=plen, max_size=plen))
+        arrival, parent = draw(st.integers(0, 6)), len(reqs)
+        for j in range(draw(st.integers(2, 4) | st.just(1), label="n")):
+            reqs.append(Request(len(reqs), list(prompt), draw(st.integers(1, 20)),
+                                arrival_step=arrival + (j and draw(st.integers(0, 2))),
+                                abort_step=draw(st.none() | st.none() | st.integers(0, 30)),
+                                fork_of=parent if j else None, cache_prefix=j > 0 or draw(st.booleans())))
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    max_num_seqs = draw(st.integers(2, 6) | st.just(1))
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(max_num_seqs, max_num_seqs + 40))
+    if not chunked: budget = max(budget, longest)
+    policy = draw(st.sampled_from(["continuous"] * 3 + ["static"]))
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=longest,
+                          enable_chunked_prefill=chunked, policy=policy)
+    tight = CacheConfig(ceil_div(longest, bs) + draw(st.integers(0, 6)), bs, draw(st.booleans()),
+                        draw(st.sampled_from([0.0, 0.01, 0.2])))
+    return reqs, cfg, tight
+
+
+@settings(PROPS, max_examples=800)
+@given(fork_workloads())
+def test_forks_same_tokens_and_invariants(w):
+    "Forked choices, under preemption and aborts: invariants every step, no hang, every choice's own tokens."
+    reqs, cfg, tight = w
+    res = simulate(reqs, cfg, tight, check_kv=True, check_invariants=True, max_steps=bound(reqs))
+    for r in reqs:
+        s, full = res.seqs[r.seq_id], full_outputs(reqs, r.seq_id)
+        if s.finish_reason == "abort": assert s.output_token_ids == full[:len(s.output_token_ids)]
+        else:
+            assert s.output_token_ids == full
+            assert s.num_prefill_tokens >= 1                     # it computed its last prompt token itself
+            if not s.num_preemptions:                            # computed exactly what it did not share
+                assert s.num_prefill_tokens == len(r.prompt_token_ids) - s.num_cached_tokens - s.num_shared_tokens
+        if not r.cache_prefix: assert s.num_cached_tokens == 0 and s.num_shared_tokens == 0
+        if s.num_shared_tokens: event("forked")
+        if s.num_shared_tokens and s.num_preemptions: event("a forked choice was preempted")
+    if res.num_preemptions: event("preempted")
+
+
+@PROPS
+@given(fork_workloads())
+def test_forks_compute_the_prompt_once(w):
+    "With room for everything (no preemption, no aborts), a child of a parent still running forks every full block."
+    reqs, cfg, _ = w
+    bs = 4
+    for r in reqs: r.abort_step = None
+    roomy = CacheConfig(sum(ceil_div(len(r.prompt_token_ids) + r.output_len, bs) for r in reqs) + 1, bs,
+                        enable_prefix_caching=False, watermark=0.0)
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    cfg = SchedulerConfig(max_num_seqs=len(reqs), max_num_batched_tokens=max(len(reqs), longest), max_model_len=longest)
+    res = simulate(reqs, cfg, roomy, check_kv=True, check_invariants=True, max_steps=bound(reqs))
+    assert res.num_preemptions == 0
+    for r in reqs:
+        s = res.seqs[r.seq_id]
+        full_blocks = (len(r.prompt_token_ids) - 1) // bs * bs
+        if r.fork_of is not None and reqs[r.fork_of].output_len > 1 and full_blocks:
+            parent = res.seqs[r.fork_of]
+            if parent.finish_step > s.arrival_step:              # the parent was still there to fork from
+                assert s.num_shared_tokens == full_blocks, (r, s.num_shared_tokens)
+                assert s.num_prefill_tokens == len(r.prompt_token_ids) - full_blocks
+                event("forked every full block")
+
+
+def test_n8_on_a_1000_token_prompt_computes_it_once():
+    reqs = [Request(i, list(range(1000)), 8, fork_of=0 if i else None) for i in range(8)]
+    for prefix in (False, True):
+        res = simulate(reqs, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1024),
+                       CacheConfig(600, 16, enable_prefix_caching=prefix), check_kv=True, check_invariants=True)
+        assert sum(s.num_prefill_tokens for s in res.seqs.values()) == 1000 + 7 * (1000 % 16)
+        assert len(set(map(tuple, res.outputs.values()))) == 1
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_fork_parent_aborted_between_schedule_and_update(prefix):
+    "The step that forks the child: its parent is aborted before the step is applied; the child runs on alone."
+    sched, _ = tiny(num_blocks=16, prefix=prefix, max_num_batched_tokens=16)
+    model = FakeModel(16, 4, vocab_size=MODEL_VOCAB, check_kv=True)
+    child = Sequence(1, list(range(10)), 6, fork_of=0)
+    sched.add(Sequence(0, list(range(10)), 6)); sched.add(child)
+    step = sched.schedule(); sched.update(step, model.step(step))           # the parent's prefill; the child waits
+    step = sched.schedule()                                                  # the child forks
+    assert child.num_shared_tokens == 8 and [s.seq_id for s in step.seqs] == [0, 1]
+    sched.abort(0)
+    sched.check_invariants()
+    sched.update(step, model.step(step))
+    for _ in range(100):
+        sched.check_invariants()
+        if not sched.has_unfinished(): break
+        step = sched.schedule(); sched.update(step, model.step(step))
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 16
+    assert child.output_token_ids == oracle_tokens(list(range(10)), 6, frozenset())
+    assert child.num_prefill_tokens == 2
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_child_of_a_preempted_parent_never_hangs(prefix):
+    "An older request grows through the pool, preempting the parent and its child; all run to their own tokens."
+    sched, _ = tiny(num_blocks=8, prefix=prefix, max_num_batched_tokens=8, max_model_len=32, trace=Trace())
+    model = FakeModel(8, 4, vocab_size=MODEL_VOCAB, check_kv=True)
+    specs = {0: (list(range(5, 14)), 20, None), 1: (list(range(9)), 8, None), 2: (list(range(9)), 8, 1),
+             3: (list(range(9)), 6, 1)}
+    seqs = {i: Sequence(i, list(p), m, fork_of=f) for i, (p, m, f) in specs.items()}
+    for seq in seqs.values(): sched.add(seq)
+    for _ in range(300):
+        if not sched.has_unfinished(): break
+        step = sched.schedule(); sched.update(step, model.step(step)); sched.check_invariants()
+    assert not sched.has_unfinished() and sched.num_preemptions > 0
+    assert "parent" in {e["reason"] for e in sched.trace.of("wait") if e["seq"] == 2}
+    for i, (p, m, _) in specs.items(): assert seqs[i].output_token_ids == oracle_tokens(p, m, frozenset())
+
+
+def test_fork_requests_that_are_refused():
+    sched, _ = tiny()
+    sched.add(Sequence(0, [1, 2, 3], 2))
+    with pytest.raises(ValueError, match="prompts differ"): sched.add(Sequence(1, [1, 2], 2, fork_of=0))
+    with pytest.raises(ValueError, match="cannot fork itself"): sched.add(Sequence(1, [1, 2], 2, fork_of=1))
+    sched.add(Sequence(1, [1, 2], 2, fork_of=99))                    # an unknown parent: admitted normally
+    while sched.has_unfinished():
+        step = sched.schedule(); sched.update(step, [1] * len(step.sample_seq_ids))
+    sched.check_invariants()
