@@ -10,6 +10,8 @@ import gc
 import itertools
 import json
 import math
+import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -22,14 +24,17 @@ from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
 from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
+from .params import (Choice, RequestOutput, SamplingParams, TokenLogprob, grammar_bitmask, new_choice,
+                              record_prompt, record_token, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
+from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
 
 # %% auto #0
 __all__ = ['LEDGER_PHASES', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line', 'engine_config',
-           'SamplingParams', 'RequestOutput', 'StepLedger', 'EngineSetup', 'EngineLoad', 'worker_spec', 'eos_token_ids',
-           'EngineStart', 'prompt_token_ids', 'check_context', 'EngineRequests', 'EngineStep', 'EngineLaunch',
-           'EngineAsync', 'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
+           'StepLedger', 'cpu_threads', 'engine_device', 'EngineSetup', 'EngineLoad', 'worker_spec', 'eos_token_ids',
+           'EngineStart', 'prompt_token_ids', 'check_context', 'check_token_ids', 'EngineRequests', 'abort_request',
+           'EngineStep', 'EngineLaunch', 'EngineAsync', 'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
 
 # %% ../nbs/12_engine.ipynb #61f398f0
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -48,10 +53,12 @@ class LoadConfig:
     device: str | None = None         # None: "cuda" when there is one
     max_model_len: int | None = None  # None: the model's max positions (capped by what the cache holds)
     seed: int = 0                     # the seed of requests that give none
+    num_threads: int | None = None    # a CPU's intra-op threads; None: one per two usable cores (`cpu_threads`)
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in _DTYPE_NAMES: raise ValueError(f"unsupported dtype {self.dtype!r}")
         _positive_int("max_model_len", self.max_model_len)
+        _positive_int("num_threads", self.num_threads)
 
 # %% ../nbs/12_engine.ipynb #9d63e21b
 @dataclass(frozen=True)
@@ -152,87 +159,33 @@ def engine_config(model=None, config: EngineConfig | None = None, **overrides) -
     sections = {s: replace(getattr(config, s), **kw) for s, kw in changes.items()}
     return replace(config, **sections, **top)
 
-# %% ../nbs/12_engine.ipynb #fae2082c
-@dataclass(frozen=True)
-class SamplingParams:
-    "How to generate for one request."
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                          # 0: no top-k limit
-    seed: int | None = None
-    stop: tuple[str, ...] | list[str] | str | None = None
-    stop_token_ids: tuple[int, ...] | list[int] = ()
-    ignore_eos: bool = False
+# %% ../nbs/12_engine.ipynb #4b45dfa8
+@dataclass(eq=False)
+class _Request(Choice):
+    detok: object = None
+    output: RequestOutput | None = None
+    stream: bool = True            # report (and detokenize) every step, not only at the end
+    num_reported: int = 0
+    group: "_Group | None" = None
 
-    def __post_init__(self):                # every field checked (below); stop and stop_token_ids become tuples
-        _check_sampling(self)
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+@dataclass(eq=False)
+class _Group:
+    "One request's choices. With best_of > n nothing is reported until all finish; then the n most likely."
+    request_id: int
+    params: SamplingParams
+    choices: list = field(default_factory=list)
+    num_finished: int = 0
+    held: list = field(default_factory=list)   # best_of: finished outputs, waiting for the rest
 
     @property
-    def greedy(self) -> bool: return self.temperature == 0
-
-# %% ../nbs/12_engine.ipynb #aea77da3
-def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
-
-def _check_sampling(p: SamplingParams) -> None:
-    "A clear ValueError for the first field of `p` that is out of range."
-    if not _is_int(p.max_tokens) or p.max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {p.max_tokens!r}")
-    if isinstance(p.temperature, bool) or not isinstance(p.temperature, (int, float)) or not 0 <= p.temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
-    if isinstance(p.top_p, bool) or not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
-    if not _is_int(p.top_k) or p.top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {p.top_k!r}")
-    if p.seed is not None and not _is_int(p.seed): raise ValueError(f"seed must be an integer, got {p.seed!r}")
-    stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
-    if any(not isinstance(s, str) or not s for s in stop): raise ValueError("stop strings must be non-empty strings")
-    if any(not _is_int(t) or t < 0 for t in tuple(p.stop_token_ids or ())):
-        raise ValueError(f"stop_token_ids must be non-negative integers, got {p.stop_token_ids!r}")
+    def holds(self) -> bool: return self.params.num_choices > self.params.n
 
 
 def _check_params(params) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     return params
-
-# %% ../nbs/12_engine.ipynb #ece909e6
-@dataclass
-class RequestOutput:
-    "The state of one request: tokens and text so far, and how it went."
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    new_token_ids: list[int] = field(default_factory=list)   # since the previous report
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None                         # "stop", "length" or "abort"
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        "Time to first token, seconds."
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-# %% ../nbs/12_engine.ipynb #9e77d1a2
-@dataclass
-class _Request:
-    seq: Sequence
-    params: SamplingParams
-    sampling_row: tuple            # (temperature, top_p, top_k, seed): its rows of a step's sampling, less the offset
-    detok: object
-    output: RequestOutput
-    stream: bool = True            # report (and detokenize) every step, not only at the end
-    num_reported: int = 0
 
 # %% ../nbs/12_engine.ipynb #0dafb9c6
 LEDGER_PHASES = ("gap", "schedule", "prepare", "h2d", "launch", "sync", "update")
@@ -251,6 +204,23 @@ class StepLedger:
         out["tokens_per_step"] = sum(r["num_tokens"] for r in rows) / len(rows)
         return out
 
+# %% ../nbs/12_engine.ipynb #a8c8c074
+def cpu_threads(num_threads: int | None, environ=os.environ) -> int | None:
+    "Intra-op threads for a CPU engine: `num_threads`; None when OMP_NUM_THREADS decides; else half the usable cores."
+    if num_threads is not None: return num_threads
+    if environ.get("OMP_NUM_THREADS"): return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 2))
+
+
+def engine_device(name: str | None) -> torch.device:
+    "The device asked for (None: cuda when there is one), refused clearly when it is not here."
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but torch {torch.__version__} sees no CUDA GPU here")
+    if device.type not in ("cuda", "cpu"): raise ValueError(f"unsupported device {name!r}: use 'cuda' or 'cpu'")
+    return device
+
 # %% ../nbs/12_engine.ipynb #db14908b
 class EngineSetup:
     "Start-up: the model loaded (and sharded or quantized), the KV cache sized, the runner and its graphs started."
@@ -258,7 +228,8 @@ class EngineSetup:
     def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None, **overrides):
         self.engine_config = ec = engine_config(model, config, **overrides)
         self.model_dir = Path(ec.load.model) if ec.load.model is not None else default_model()
-        self.device = torch.device(ec.load.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = engine_device(ec.load.device)
+        if self.device.type == "cpu" and (n := cpu_threads(ec.load.num_threads)) is not None: torch.set_num_threads(n)
         self.kernels = k = ec.kernels.resolve(self.device)
         self.attention_backend, self.fused_kernels, self.row_gemv, self.pdl = (
             k.attention_backend, k.fused_kernels, k.row_gemv, k.pdl)
@@ -270,7 +241,10 @@ class EngineSetup:
         self.parallel = None            # tensor parallelism (its chapter): this process is rank 0
         self.ledger: StepLedger | None = None
         self._last_step_end: float | None = None
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, _Request] = {}        # seq id -> choice
+        self._groups: dict[int, _Group] = {}            # request id -> its choices
+        self._num_special = self._num_constrained = 0   # live choices that need extras, and a grammar
+        self._grammars, self._grammar_lock = None, threading.Lock()
         self._ids = itertools.count()
         try:
             self._load()
@@ -396,7 +370,14 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
         raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                          f"context of {max_model_len} tokens")
 
-# %% ../nbs/12_engine.ipynb #c79c15e4
+# %% ../nbs/12_engine.ipynb #36c35175
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    "The token ids a request names (stop ids, biased ids) must be in the vocabulary."
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad: raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
 class EngineRequests(EngineStart):
     "Requests in: every prompt and parameter checked before anything is queued."
 
@@ -405,6 +386,19 @@ class EngineRequests(EngineStart):
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         check_context(len(ids), params.max_tokens, self.max_model_len)
+        check_token_ids(params, self.config.vocab_size)
+        if params.structured_outputs is not None:
+            if self.parallel is not None: raise ValueError("structured outputs with tensor parallelism are not supported")
+            self.grammar_compiler.compile(params.structured_outputs)      # a ValueError naming what is wrong
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        "Structured outputs' compiler over this engine's tokenizer (made on first use; thread-safe, cached by spec)."
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size,
+                                                 eos_token_ids=sorted(self.eos_token_ids))
+            return self._grammars
 
     def add_request(self, prompt, params: SamplingParams | None = None, stream: bool = True) -> int:
         "Validate and queue one prompt; returns its request id. `stream=False`: reported only when finished."
@@ -413,29 +407,56 @@ class EngineRequests(EngineStart):
         self._check(ids, params)
         return self._add(text, ids, params, stream)
 
-    def _add(self, text, ids, params, stream: bool = True) -> int:
-        rid = next(self._ids)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seq = Sequence(rid, ids, params.max_tokens, stop_ids)
-        seed = (params.seed if params.seed is not None else hash((self.seed, rid))) % (1 << 63)  # any int -> int64
-        out = RequestOutput(rid, text, ids, arrival_time=time.perf_counter())
+    def has_unfinished_requests(self) -> bool: return bool(self._groups)
+
+# %% ../nbs/12_engine.ipynb #cb323173
+def _add(self: EngineRequests, text, ids, params: SamplingParams, stream: bool = True) -> int:
+    "Queue a checked request's choices; returns its request id."
+    rid = next(self._ids)
+    group = self._groups[rid] = _Group(rid, params)
+    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+    seed = (params.seed if params.seed is not None else hash((self.seed, rid))) % (1 << 63)   # any int -> int64
+    spec, now = params.structured_outputs, time.perf_counter()
+    for i in range(params.num_choices):
+        seq_id = rid if i == 0 else next(self._ids)
+        seq = Sequence(seq_id, ids, params.max_tokens, stop_ids, fork_of=rid if i else None,
+                       cache_prefix=i > 0 or params.prompt_logprobs is None)
+        row = (float(params.temperature), float(params.top_p), min(params.top_k, self.config.vocab_size),
+               seed if i == 0 else hash((seed, i)) % (1 << 63))
+        matcher = self.grammar_compiler.compile(spec).matcher() if spec is not None else None
+        r = new_choice(seq, params, row, i, matcher, scores_prompt=i == 0, cls=_Request, stream=stream, group=group,
+                       detok=IncrementalDetokenizer(self._detok_backend, ids),
+                       output=RequestOutput(rid, text, ids, arrival_time=now, index=i))
         self.scheduler.add(seq)
-        row = (float(params.temperature), float(params.top_p), min(params.top_k, self.config.vocab_size), seed)
-        detok = IncrementalDetokenizer(self._detok_backend, ids)
-        self._requests[rid] = _Request(seq, params, row, detok, out, stream)
-        return rid
+        self._requests[seq_id] = r
+        group.choices.append(r)
+        self._num_special += r.needs_extras; self._num_constrained += matcher is not None
+    return rid
 
-    def abort_request(self, request_id: int) -> bool:
-        "Stop a request in any state; its KV blocks are freed at once."
-        r = self._requests.pop(request_id, None)
-        if r is None: return False
-        self.scheduler.abort(request_id)
-        r.output.finished, r.output.finish_reason, r.output.finish_time = True, "abort", time.perf_counter()
-        return True
+EngineRequests._add = _add
 
-    def has_unfinished_requests(self) -> bool: return bool(self._requests)
+# %% ../nbs/12_engine.ipynb #bcd26f55
+def _release(self: EngineRequests, r: _Request) -> None:
+    "A choice is done: forget it (its blocks were freed by the scheduler)."
+    del self._requests[r.seq.seq_id]
+    self._num_special -= r.needs_extras; self._num_constrained -= r.matcher is not None
 
-# %% ../nbs/12_engine.ipynb #dd7342d2
+
+def abort_request(self: EngineRequests, request_id: int) -> bool:
+    "Stop a request (every choice of it) in any state; its KV blocks are freed at once."
+    group = self._groups.pop(request_id, None)
+    if group is None: return False
+    now = time.perf_counter()
+    for r in group.choices:
+        if r.seq.seq_id not in self._requests: continue
+        self.scheduler.abort(r.seq.seq_id)
+        self._release(r)
+        r.output.finished, r.output.finish_reason, r.output.finish_time = True, "abort", now
+    return True
+
+EngineRequests._release, EngineRequests.abort_request = _release, abort_request
+
+# %% ../nbs/12_engine.ipynb #d3865681
 class EngineStep(EngineRequests):
     "The loop: schedule, run, update, report; or, with async scheduling, launch the next step before finishing this one."
 
@@ -447,13 +468,10 @@ class EngineStep(EngineRequests):
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
-        try:
-            tokens = self.runner.run(step, self._sampling(step), row)
-        except BaseException:
-            self.scheduler.cancel(step)    # nothing of the step is applied; it will be scheduled again
-            raise
+        tokens, launched, plan = self._run(step, row)
         t2 = time.perf_counter()
         self.scheduler.update(step, tokens)
+        self._after_tokens(step, tokens, launched, plan)
         reports = self._reports(step, t2)
         t3 = time.perf_counter()
         if row is not None:
@@ -462,10 +480,15 @@ class EngineStep(EngineRequests):
         self._last_step_end = t3
         return reports
 
-    def _sampling(self, step: Step) -> list[tuple]:
-        "(temperature, top_p, top_k, seed, offset) of every sampled row of `step`."
-        sampled = (self._requests[s.seq_id] for s in step.seqs if s.sample)
-        return [r.sampling_row + (len(r.seq.output_token_ids),) for r in sampled]
+    def _run(self, step: Step, row: dict | None):
+        "Pack, launch and wait for `step`: (tokens, the launched step, its prompt-scoring plan)."
+        try:
+            x, plan = self._pack(step)
+            launched = self.runner.launch(x, row, bitmask=self._bitmask(step))
+            return self.runner.wait(launched, row), launched, plan
+        except BaseException:
+            self.scheduler.cancel(step)    # nothing of the step is applied; it will be scheduled again
+            raise
 
     def _ledger_row(self, row: dict, step: Step, t0: float, t1: float, update: float, t3: float) -> None:
         gap = t0 - self._last_step_end if self._last_step_end is not None else 0.0
@@ -473,20 +496,69 @@ class EngineStep(EngineRequests):
                    decode_only=step.is_decode_only, gap=gap, schedule=t1 - t0, update=update, total=t3 - t0 + gap)
         self.ledger.rows.append(row)
 
-# %% ../nbs/12_engine.ipynb #1298ae43
+# %% ../nbs/12_engine.ipynb #5965e4a7
+def _sampling(self: EngineStep, step: Step) -> list[tuple]:
+    "(temperature, top_p, top_k, seed, offset) of every sampled row of `step`."
+    sampled = (self._requests[s.seq_id] for s in step.seqs if s.sample)
+    return [r.sampling_row + (len(r.seq.output_token_ids),) for r in sampled]
+
+
+def _pack(self: EngineStep, step: Step):
+    "The step's `StepInputs` (sent to the other tensor-parallel ranks too) and its prompt-scoring plan."
+    extras, plan = step_extras(step, self._requests) if self._num_special else (None, [])
+    x = self.runner.pack(step, self._sampling(step), extras)
+    if self.runner.step_sender is not None: self.runner.step_sender(x)
+    return x, plan
+
+
+def _fill_rows(pairs: list, bitmask: torch.Tensor) -> None:
+    for row, matcher in pairs: matcher.fill_bitmask(bitmask, row)
+
+
+def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
+    "The grammar bitmask of the step's sampled rows, or None (no constrained row)."
+    if not self._num_constrained: return None
+    return grammar_bitmask(step, self._requests, self.grammar_compiler.bitmask_width, _fill_rows)
+
+EngineStep._sampling, EngineStep._pack, EngineStep._bitmask = _sampling, _pack, _bitmask
+
+# %% ../nbs/12_engine.ipynb #e2f5f1c8
+def _kept(seq: Sequence, s, token: int) -> bool:
+    "Whether the scheduler kept `token` as the output token of scheduled `s` (not dropped as in flight past the end)."
+    k = s.context_len - seq.num_prompt_tokens
+    return k < len(seq.output_token_ids) and seq.output_token_ids[k] == token
+
+
+def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, plan: list) -> None:
+    "Record what came back beyond the tokens: logprobs, prompt logprobs, grammar state."
+    if plan: record_prompt(plan, launched.prompt_logprobs)
+    if not (self._num_special or self._num_constrained): return
+    lps = launched.logprobs
+    for j, (s, token) in enumerate(zip((s for s in step.seqs if s.sample), tokens)):
+        r = self._requests.get(s.seq_id)
+        if r is None or not _kept(r.seq, s, token): continue
+        record_token(r, token, lps[j] if lps else None)
+        if r.matcher is not None and r.matcher.is_terminated() and not r.seq.is_finished:
+            self.scheduler.abort(r.seq.seq_id, reason="grammar")     # complete: nothing else may follow
+
+EngineStep._after_tokens = _after_tokens
+
+# %% ../nbs/12_engine.ipynb #5ca7241c
 class EngineLaunch(EngineStep):
     "The pieces of async scheduling: launching the next step early, and the ledger row of such a call."
 
     def _launch_next(self, row: dict | None):
-        "Schedule, pack and launch the next step: (step, launched, when scheduling ended); no step: (None, None, now)."
+        """Schedule, pack and launch the next step: (step, (launched, plan, deferred), when scheduling ended); no
+        step: (None, None, now). A step with constrained rows defers its sampler until their masks can be filled."""
         sched = self.scheduler
         if not (sched.running or sched.waiting): return None, None, time.perf_counter()
         step = sched.schedule()
         t1 = time.perf_counter()
         try:
-            x = self.runner.pack(step, self._sampling(step))
-            if self.runner.step_sender is not None: self.runner.step_sender(x)
-            return step, self.runner.launch(x, row), t1
+            x, plan = self._pack(step)
+            defer = bool(self._num_constrained) and any(self._requests[s.seq_id].matcher is not None
+                                                        for s in step.seqs if s.sample)
+            return step, (self.runner.launch(x, row, defer_sample=defer), plan, defer), t1
         except BaseException:
             sched.cancel(step)             # nothing of it is applied; it will be scheduled again
             raise
@@ -499,13 +571,14 @@ class EngineLaunch(EngineStep):
         row.setdefault("gpu", 0.0)
         self._ledger_row(row, step, t0, t1, (t3 - t2) - row["sync"], t3)
 
-# %% ../nbs/12_engine.ipynb #2aebd952
+# %% ../nbs/12_engine.ipynb #a4eb84ef
 class EngineAsync(EngineLaunch):
     "Async scheduling: the host schedules and packs step N+1 while the GPU runs step N."
 
     def _step_async(self) -> list[RequestOutput]:
         """One call launches step N+1 and then completes step N: N+1's decodes take N's tokens on the device
-        (the scheduler's `advance`/`resolve`)."""
+        (the scheduler's `advance`/`resolve`). A constrained row's mask for N+1 needs N's token: N+1's forward
+        pass is queued first, its sampler only after N's tokens are back and the matchers have taken them."""
         sched = self.scheduler
         if self._inflight is None and not sched.has_unfinished(): return []
         row = {} if self.ledger is not None else None
@@ -515,11 +588,14 @@ class EngineAsync(EngineLaunch):
         reports, done = [], self._inflight
         self._inflight = None
         if done is not None:               # the previous step: wait for its tokens, apply them, report
-            tokens = self.runner.wait(done[1], row)
-            sched.resolve(done[0], tokens)
-            reports = self._reports(done[0], time.perf_counter())
+            prev, (prev_launched, plan, _) = done
+            tokens = self.runner.wait(prev_launched, row)
+            sched.resolve(prev, tokens)
+            self._after_tokens(prev, tokens, prev_launched, plan)
+            reports = self._reports(prev, time.perf_counter())
         if step is not None:
             sched.advance(step)
+            if launched[2]: self.runner.sample_launched(launched[0], self._bitmask(step))
             self._inflight = (step, launched)
         t3 = time.perf_counter()
         if row is not None: self._async_ledger_row(row, step or done[0], step is not None, t0, t1, t2, t3)
@@ -537,44 +613,75 @@ def find_stop(full: str, shown: int, stops: tuple[str, ...], finished: bool) -> 
     if finished: return full, False
     return full[:max(shown, len(full) - longest + 1)], False
 
-# %% ../nbs/12_engine.ipynb #b2dff493
+# %% ../nbs/12_engine.ipynb #7f62d78e
 class EngineReports(EngineAsync):
     "Reports out: new tokens detokenized, stop strings found, finished requests released."
 
     def _reports(self, step: Step, now: float) -> list[RequestOutput]:
-        "Outputs of the requests `step` sampled for (streamed ones, ones with stop strings, finished ones)."
+        "Outputs of the choices `step` sampled for (streamed ones, ones with stop strings, finished ones)."
         reports = []
         for s in step.seqs:
             r = self._requests.get(s.seq_id) if s.sample else None
             if r is None: continue
-            if r.stream or r.params.stop or r.seq.is_finished: reports.append(self._report(r, now))
-            elif r.output.first_token_time is None: r.output.first_token_time = now   # text comes at the end
+            if r.group.holds:
+                if r.seq.is_finished: reports += self._held(r, now)
+            elif r.stream or r.params.stop or r.seq.is_finished: reports.append(self._report(r, now))
+            if r.output.first_token_time is None: r.output.first_token_time = now   # text comes at the end
         return reports
 
-    def _report(self, r: _Request, now: float) -> RequestOutput:
-        seq, out, params = r.seq, r.output, r.params
-        new_ids = seq.output_token_ids[r.num_reported:]
-        r.num_reported = len(seq.output_token_ids)
-        if out.first_token_time is None and new_ids: out.first_token_time = now
-        finished, reason = seq.is_finished, seq.finish_reason
-        text_ids = new_ids[:-1] if finished and reason == "stop" and new_ids else new_ids   # a stop token adds no text
-        delta = r.detok.extend(text_ids) + (r.detok.flush() if finished else "")
-        visible = out.text + delta
-        if params.stop:                    # also on the last token: a stop string beats "length"
-            visible, hit = find_stop(r.detok.text, len(out.text), params.stop, finished)
-            if hit:
-                reason = "stop"
-                if not finished: self.scheduler.abort(seq.seq_id, reason="stop")
-                finished = True
-        out.token_ids = list(seq.output_token_ids)
-        out.new_token_ids = new_ids
-        out.new_text, out.text = visible[len(out.text):], visible
-        out.num_cached_tokens, out.num_preemptions = seq.num_cached_tokens, seq.num_preemptions
-        out.num_recomputed_tokens = seq.num_recomputed_tokens
-        if finished:
-            out.finished, out.finish_reason, out.finish_time = True, reason, now
-            del self._requests[seq.seq_id]
-        return copy.copy(out)              # a snapshot: later steps do not change what the caller holds
+    def _held(self, r: _Request, now: float) -> list[RequestOutput]:
+        "best_of: keep a finished choice; once all are, the n of highest cumulative logprob, as indexes 0..n-1."
+        group = r.group
+        group.held.append(self._report(r, now))
+        if group.num_finished < len(group.choices): return []
+        best = sorted(group.held, key=lambda o: -o.cumulative_logprob)[:group.params.n]
+        for i, o in enumerate(best): o.index, o.request_finished = i, i == len(best) - 1
+        return best
+
+# %% ../nbs/12_engine.ipynb #a5512f8e
+def _report(self: EngineReports, r: _Request, now: float) -> RequestOutput:
+    seq, out, params = r.seq, r.output, r.params
+    new_ids = seq.output_token_ids[r.num_reported:]
+    r.num_reported = len(seq.output_token_ids)
+    if out.first_token_time is None and new_ids: out.first_token_time = now
+    finished, reason = seq.is_finished, seq.finish_reason
+    text_ids = new_ids[:-1] if finished and reason == "stop" and new_ids else new_ids   # a stop token adds no text
+    delta = r.detok.extend(text_ids) + (r.detok.flush() if finished else "")
+    visible = out.text + delta
+    if params.stop:                    # also on the last token: a stop string beats "length"
+        visible, hit = find_stop(r.detok.text, len(out.text), params.stop, finished)
+        if hit:
+            reason = "stop"
+            if not finished: self.scheduler.abort(seq.seq_id, reason="stop")
+            finished = True
+    out.token_ids, out.new_token_ids = list(seq.output_token_ids), new_ids
+    out.new_text, out.text = visible[len(out.text):], visible
+    _fill_output(out, r)
+    if finished: self._finish(r, "stop" if reason == "grammar" else reason, now)
+    return copy.copy(out)              # a snapshot: later steps do not change what the caller holds
+
+# %% ../nbs/12_engine.ipynb #b114beaa
+def _fill_output(out: RequestOutput, r: _Request) -> None:
+    "The counters and log-probabilities of a report."
+    seq = r.seq
+    out.num_cached_tokens, out.num_preemptions = seq.num_cached_tokens, seq.num_preemptions
+    out.num_recomputed_tokens, out.num_prefill_tokens = seq.num_recomputed_tokens, seq.num_prefill_tokens
+    if r.logprobs is not None: out.logprobs = list(r.logprobs)
+    if r.num_logprobs >= 0: out.cumulative_logprob = r.cumulative_logprob
+    scored = r.group.choices[0].prompt_logprobs        # the first choice scores the prompt for all of them
+    if scored is not None: out.prompt_logprobs = list(scored)
+
+
+def _finish(self: EngineReports, r: _Request, reason: str, now: float) -> None:
+    "Mark a choice's output finished, release it, and the request once every choice is done."
+    out, group = r.output, r.group
+    out.finished, out.finish_reason, out.finish_time = True, reason, now
+    self._release(r)
+    group.num_finished += 1
+    out.request_finished = group.num_finished == len(group.choices)
+    if out.request_finished: self._groups.pop(group.request_id, None)
+
+EngineReports._report, EngineReports._finish = _report, _finish
 
 # %% ../nbs/12_engine.ipynb #becbb148
 def _prompts_and_params(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
@@ -626,20 +733,21 @@ class LLM(EngineAPI):
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        "Generate for one prompt or a list of prompts (strings or token-id lists); outputs in prompt order."
+        "Generate for one prompt or a list of prompts (strings or token-id lists); outputs in prompt order, n each."
         checked = []
         for p, sp in zip(*_prompts_and_params(prompts, sampling_params)):   # everything checked before queueing
             text, ids = self._prompt_ids(p)
             self._check(ids, sp)
             checked.append((text, ids, sp))
         ids: list[int] = []
-        done: dict[int, RequestOutput] = {}
+        done: dict[tuple[int, int], RequestOutput] = {}
+        num_outputs = sum(sp.n for _, _, sp in checked)
         try:
             for c in checked: ids.append(self._add(*c, stream=False))
-            while len(done) < len(ids):
+            while len(done) < num_outputs:
                 for out in self.step():
-                    if out.finished: done[out.request_id] = out
+                    if out.finished: done[out.request_id, out.index] = out
         except BaseException:
             for i in ids: self.abort_request(i)
             raise
-        return [done[i] for i in ids]
+        return [done[i, j] for i, (_, _, sp) in zip(ids, checked) for j in range(sp.n)]

@@ -231,15 +231,15 @@ def test_out_of_int64_range_is_refused_and_the_engine_stays_usable(fresh, kw):
 def test_engine_recovers_from_an_interrupted_generate(fresh, monkeypatch):
     "The notebook: 'if anything interrupts it, its requests are aborted so the engine stays clean'."
     good = [o.token_ids for o in fresh.generate(["Hello", "abc"], GREEDY)]
-    real, calls = fresh.runner.run, []
-    def flaky(step, sampling, *rest):
+    real, calls = fresh.runner.launch, []
+    def flaky(x, *rest, **kw):
         calls.append(1)
         if len(calls) == 3: raise KeyboardInterrupt
-        return real(step, sampling, *rest)
-    monkeypatch.setattr(fresh.runner, "run", flaky)
+        return real(x, *rest, **kw)
+    monkeypatch.setattr(fresh.runner, "launch", flaky)
     with pytest.raises(KeyboardInterrupt):
         fresh.generate(["Hello", "abc"], GREEDY)
-    monkeypatch.setattr(fresh.runner, "run", real)
+    monkeypatch.setattr(fresh.runner, "launch", real)
     assert_all_free(fresh)
     assert [o.token_ids for o in fresh.generate(["Hello", "abc"], GREEDY)] == good
 
