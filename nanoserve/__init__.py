@@ -9,9 +9,9 @@ __all__ = []
 # %% ../nbs/99_api.ipynb #d58a93fb
 import importlib
 
-_PUBLIC = {"LLM": "engine", "SamplingParams": "engine", "RequestOutput": "engine", "EngineConfig": "engine",
-           "LoadConfig": "engine", "CacheSpec": "engine", "BatchConfig": "engine", "KernelConfig": "runner",
-           "QuantConfig": "quant", "ParallelConfig": "parallel"}
+_PUBLIC = {"LLM": "engine", "SamplingParams": "params", "RequestOutput": "params", "TokenLogprob": "params",
+           "StructuredOutputs": "structured", "EngineConfig": "engine", "LoadConfig": "engine", "CacheSpec": "engine",
+           "BatchConfig": "engine", "KernelConfig": "runner", "QuantConfig": "quant", "ParallelConfig": "parallel"}
 __all__ = sorted(_PUBLIC)
 
 
