@@ -5,8 +5,8 @@
 # %% ../nbs/15_bench.ipynb #fd087a92
 from __future__ import annotations
 
-import argparse, importlib.util, json, math, os, random
-import shutil, subprocess, sys, tempfile, time
+import argparse, collections, importlib.util, json, math, os, random
+import shutil, subprocess, sys, tempfile, threading, time, traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,9 +22,10 @@ from .yardsticks import run_hf_continuous, run_hf_static
 # %% auto #0
 __all__ = ['DISAGREE', 'WorkloadSpec', 'BenchRequest', 'make_workload', 'poisson_send_times', 'percentile', 'summarize',
            'warm_up_engine', 'PausedClock', 'ProfileWindow', 'request_record', 'run_result', 'run_nanoserve',
-           'parse_engine', 'run_worker', 'model_limits', 'run_benchmark', 'report', 'plot_results', 'random_checkpoint',
-           'build_parser', 'check_args', 'workload_from_args', 'engine_kwargs_from_args', 'results_path',
-           'write_results', 'model_dir_from_args', 'main']
+           'parse_engine', 'run_worker', 'worker_main', 'model_limits', 'run_benchmark', 'failure_reason', 'report',
+           'plot_results', 'random_checkpoint', 'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args',
+           'engine_kwargs_from_args', 'results_path', 'save_results', 'write_results', 'model_dir_from_args',
+           'run_command', 'main']
 
 # %% ../nbs/15_bench.ipynb #6ce7af63
 @dataclass(frozen=True)
@@ -302,6 +303,7 @@ def _run_transformers(job: dict, kind: str, n: int | None, requests: list[BenchR
     if send is not None and any(send): raise ValueError(f"{job['engine']} runs offline only")
     kw = job.get("engine_kwargs") or {}
     device, dtype = kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"), kw.get("dtype") or "bfloat16"
+    if kw.get("num_threads"): torch.set_num_threads(kw["num_threads"])     # --threads: this worker's own process
     reqs = [{"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens} for r in requests]
     warm_gpu(job.get("warmup_s", 3.0), torch.device(device))
     per = run_hf_static(job["model_dir"], reqs, n, device=device, dtype=dtype) if kind == "hf-static" \
@@ -323,25 +325,59 @@ def run_worker(job: dict) -> dict:
     res["summary"] = summarize(res["per_request"], res["wall_s"])
     return res
 
+# %% ../nbs/15_bench.ipynb #dc06f0eb
+def worker_main(job_path, result_path) -> int:
+    """What `python -m nanoserve.bench _worker JOB RESULT` does: run the job, write its result; when it fails,
+    write the exception (type, message, traceback) there instead, so that the parent reports the real reason."""
+    try: res = run_worker(json.loads(Path(job_path).read_text()))
+    except Exception as e:
+        tb = traceback.format_exc()
+        Path(result_path).write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": tb[-1500:]}))
+        print(tb, file=sys.stderr, flush=True)
+        return 1
+    Path(result_path).write_text(json.dumps(res))
+    return 0
+
 # %% ../nbs/15_bench.ipynb #10fe70ec
 def _package_dir() -> Path:
     "The installed package's folder, found without importing it."
     return Path(importlib.util.find_spec("nanoserve").origin).resolve().parent
 
 # %% ../nbs/15_bench.ipynb #4e43203d
+def _run_process(cmd: list[str], env: dict, timeout: float | None, echo: bool) -> tuple[int, str]:
+    """Run `cmd`; its stderr is echoed line by line as it comes when `echo` (the worker's progress) and its last
+    lines are kept either way. Returns (exit status, stderr's last 1,800 characters)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=None if echo else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, errors="replace")
+    tail = collections.deque(maxlen=80)
+    def pump():
+        for line in proc.stderr:
+            tail.append(line)
+            if echo: sys.stderr.write(line); sys.stderr.flush()
+    reader = threading.Thread(target=pump, daemon=True); reader.start()
+    try: rc = proc.wait(timeout)
+    except BaseException:                  # a timeout or Ctrl-C: the worker goes too
+        proc.kill(); proc.wait(); reader.join(5); raise
+    reader.join(5)
+    return rc, "".join(tail)[-1800:]
+
+# %% ../nbs/15_bench.ipynb #82d044ca
 def _spawn(job: dict, timeout: float | None) -> dict:
-    "Run `job` in a fresh Python process; return its result."
+    """Run `job` in a fresh Python process; return its result. A failed worker raises a RuntimeError whose first line
+    is the worker's own reason (the exception it wrote), followed by the end of its traceback."""
     with tempfile.TemporaryDirectory() as d:
         jp, rp = Path(d) / "job.json", Path(d) / "result.json"
         jp.write_text(json.dumps(job))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_package_dir().parent)]
                                                            + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        proc = subprocess.run([sys.executable, "-m", "nanoserve.bench", "_worker", str(jp), str(rp)], env=env,
-                              timeout=timeout, capture_output=not job.get("progress"), text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr or "")[-1800:] if proc.stderr is not None else ""   # the message fits the 2,000 characters a run keeps
-            raise RuntimeError(f"worker for {job['engine']} failed (exit {proc.returncode}):\n{tail}")
-        return json.loads(rp.read_text())
+        rc, tail = _run_process([sys.executable, "-m", "nanoserve.bench", "_worker", str(jp), str(rp)], env,
+                                timeout, echo=bool(job.get("progress")))
+        res = json.loads(rp.read_text()) if rp.is_file() and rp.stat().st_size else {}
+        if rc != 0 or "error" in res:      # no result file: a crash (a signal, out of memory); its stderr says why
+            reason = res.get("error") or (tail.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"worker for {job['engine']} failed (exit {rc}): {reason}\n"
+                               f"{res.get('traceback') or tail}"[:2000])
+        return res
 
 # %% ../nbs/15_bench.ipynb #fc6984a1
 DISAGREE = 0.15
@@ -361,15 +397,19 @@ def _run_entry(mode: str, rate: float | None, engine: str, reps: list[dict]) -> 
     return {"mode": mode, "rate": rate, "engine": engine, "reps": reps, "output_tokens_per_s": tps, "disagree": disagree}
 
 # %% ../nbs/15_bench.ipynb #0f750de6
-def _repeat(job: dict, repeats: int, run_one: Callable[[dict], dict], progress: bool, mode: str) -> list[dict] | str:
-    "`repeats` runs of one job; the error's text instead when one fails (one engine failing must not lose the others)."
+def _repeat(job: dict, repeats: int, run_one: Callable[[dict], dict], progress: bool, mode: str,
+            on_rep: Callable[[list[dict]], None] | None = None) -> list[dict] | str:
+    """`repeats` runs of one job, `on_rep(reps so far)` after each; the error's text instead when one fails (one
+    engine failing must not lose the others)."""
     reps = []
     for rep in range(repeats):
         if progress: print(f"[bench] {mode} {job['engine']} run {rep + 1}/{repeats}", file=sys.stderr, flush=True)
         try: reps.append(run_one(job))
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-            print(f"[bench] {mode} {job['engine']} failed: {e}", file=sys.stderr, flush=True)
-            return str(e)[-2000:]
+            print(f"[bench] {mode} {job['engine']} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                  file=sys.stderr, flush=True)
+            return (str(e) or type(e).__name__)[:2000]
+        if on_rep is not None: on_rep(reps)
     return reps
 
 # %% ../nbs/15_bench.ipynb #f0a4670c
@@ -377,10 +417,11 @@ def run_benchmark(model_dir, spec: WorkloadSpec, engines: list[str], *, rates: l
                   engine_kwargs: dict | None = None, repeats: int = 2, warmup_s: float = 3.0,
                   timeout: float | None = None, progress: bool = True, command: str | None = None,
                   profile_steps: int = 16, limits: tuple[int, int] | None = None,
-                  run_one: Callable[[dict], dict] | None = None) -> dict:
+                  run_one: Callable[[dict], dict] | None = None, save: Callable[[dict], None] | None = None) -> dict:
     """Run every engine `repeats` times (fresh processes) offline, or at each Poisson rate; results as a dict.
     `limits` (vocabulary, context) replaces the model folder's; `run_one(job)` replaces the worker process
-    (the endpoint chapter sends each job over HTTP instead)."""
+    (the endpoint chapter sends each job over HTTP instead); `save(results so far)` is called after every run
+    (an engine's unfinished repeats marked `partial`, the whole `complete` only at the end)."""
     if run_one is None:
         for e in engines: parse_engine(e)
         run_one = lambda job: _spawn(job, timeout)
@@ -389,7 +430,8 @@ def run_benchmark(model_dir, spec: WorkloadSpec, engines: list[str], *, rates: l
     out = {"meta": run_meta(), "command": command, "model_dir": str(model_dir), "workload": asdict(spec),
            "num_output_tokens_requested": sum(r.max_tokens for r in requests), "engine_kwargs": engine_kwargs,
            "numerator": "output tokens actually generated (EOS ignored, every request runs to max_tokens)",
-           "runs": []}
+           "complete": False, "runs": []}
+    save = save or (lambda results: None)
     for mode, rate in modes:
         send = poisson_send_times(len(requests), rate, spec.seed) if rate else None
         for engine in engines:
@@ -397,30 +439,41 @@ def run_benchmark(model_dir, spec: WorkloadSpec, engines: list[str], *, rates: l
                    "requests": [[list(r.prompt_token_ids), r.max_tokens] for r in requests],
                    "engine_kwargs": engine_kwargs, "warmup_s": warmup_s, "progress": progress,
                    "profile_steps": profile_steps}
-            reps = _repeat(job, repeats, run_one, progress, mode)
-            if isinstance(reps, str):
-                out["runs"].append({"mode": mode, "rate": rate, "engine": engine, "error": reps}); continue
-            out["runs"].append(_run_entry(mode, rate, engine, reps))
-            if progress:
-                tps, flag = out["runs"][-1]["output_tokens_per_s"], out["runs"][-1]["disagree"]
-                print(f"[bench] {mode} {engine}: {', '.join(f'{t:,.0f}' for t in tps)} output tok/s"
-                      + ("  <- runs disagree by more than 15%" if flag else ""), file=sys.stderr, flush=True)
+            slot = len(out["runs"])
+            def on_rep(reps):                        # this engine's runs so far, in its slot, saved at once
+                partial = {"partial": True} if len(reps) < repeats else {}
+                out["runs"][slot:] = [_run_entry(mode, rate, engine, reps) | partial]; save(out)
+            reps = _repeat(job, repeats, run_one, progress, mode, on_rep)
+            if isinstance(reps, str): reps = {"mode": mode, "rate": rate, "engine": engine, "error": reps}
+            else: reps = _run_entry(mode, rate, engine, reps)
+            out["runs"][slot:] = [reps]; save(out)
+            if progress and "error" not in reps:
+                print(f"[bench] {mode} {engine}: {', '.join(f'{t:,.0f}' for t in reps['output_tokens_per_s'])} "
+                      "output tok/s" + ("  <- runs disagree by more than 15%" if reps["disagree"] else ""),
+                      file=sys.stderr, flush=True)
+    out["complete"] = True; save(out)
     return out
 
 # %% ../nbs/15_bench.ipynb #181ef04f
 def _fmt(x, scale: float = 1.0, fmt: str = "{:.3f}") -> str: return "-" if x is None else fmt.format(x * scale)
 
 
+def failure_reason(error: str) -> str:
+    "A run's error in one line: its first, without the 'worker for X failed (exit N): ' before the worker's reason."
+    first = (error.strip().splitlines() or ["no message"])[0]
+    return first.split("): ", 1)[1] if first.startswith("worker for ") and "): " in first else first
+
+
 def _report_line(run: dict) -> str:
     "One engine in one mode: both runs' throughput, the first run's latencies, preemptions and profiled window."
     if "error" in run:
-        return f"{run['mode']:>14} {run['engine']:>14} FAILED: {run['error'].strip().splitlines()[-1][:80]}"
+        return f"{run['mode']:>14} {run['engine']:>14} FAILED: {failure_reason(run['error'])[:160]}"
     s, prof, tps = run["reps"][0]["summary"], run["reps"][0].get("profile") or {}, run["output_tokens_per_s"]
-    return (f"{run['mode']:>14} {run['engine']:>14} {tps[0]:11,.0f} {(tps[1] if len(tps) > 1 else float('nan')):9,.0f} "
+    return (f"{run['mode']:>14} {run['engine']:>14} {tps[0]:11,.0f} {_fmt(tps[1] if len(tps) > 1 else None, fmt='{:,.0f}'):>9} "
             f"{_fmt(s['ttft_p50_s'])+'s':>9} {_fmt(s['ttft_p99_s'])+'s':>8} {_fmt(s['tpot_p50_s'], 1e3, '{:.1f}')+'ms':>9} "
             f"{_fmt(s['e2e_p99_s'], fmt='{:.1f}')+'s':>8} {run['reps'][0].get('preemptions', '-')!s:>7} "
             f"{_fmt(prof.get('kernels_per_step'), fmt='{:.0f}'):>9} {_fmt(prof.get('gpu_busy'), 100, '{:.0f}')+'%':>6}"
-            + ("  <- runs disagree >15%" if run["disagree"] else ""))
+            + ("  <- runs disagree >15%" if run["disagree"] else "") + ("  (unfinished)" if run.get("partial") else ""))
 
 # %% ../nbs/15_bench.ipynb #3b72f986
 def report(results: dict) -> str:
@@ -518,22 +571,36 @@ def random_checkpoint(shape: str, seed: int = 0) -> Path:
     return path
 
 # %% ../nbs/15_bench.ipynb #b1c6e63a
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    "argparse's defaults in the help, only those worth reading: none after an option that is unset or a flag."
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool): return action.help
+        return super()._get_help_string(action)
+
+
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="lognormal", help="lognormal, nanovllm, or a JSON-lines file")
-    p.add_argument("--num-requests", type=int, default=None, help="default: 256")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-median", type=float, default=256); p.add_argument("--output-median", type=float, default=128)
-    p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--prompt-max", type=int, default=2048); p.add_argument("--output-max", type=int, default=1024)
+    p.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default: 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths, prompt ids and send times")
+    p.add_argument("--prompt-median", type=float, default=256, help="lognormal: median prompt length (tokens)")
+    p.add_argument("--output-median", type=float, default=128, help="lognormal: median output length (tokens)")
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal: sigma of both lengths' logarithms")
+    p.add_argument("--prompt-max", type=int, default=2048, help="lognormal: prompt lengths clipped to this")
+    p.add_argument("--output-max", type=int, default=1024, help="lognormal: output lengths clipped to this")
     p.add_argument("--rate", type=float, nargs="*", default=None, help="Poisson request rates (req/s); offline if absent")
 
 # %% ../nbs/15_bench.ipynb #48103076
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", default="continuous,static:16,static:64", help="comma-separated")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--device", default=None); p.add_argument("--dtype", default=None)
+    p.add_argument("--engines", default="continuous,static:16,static:64",
+                   help="comma-separated: continuous, static:N (either as X-eager), hf-static:N, hf-cb")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="nanoserve engines: sequences per step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="nanoserve engines: tokens per step at most")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="nanoserve engines: KV blocks (default: sized to memory)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="the weights' dtype (default: the engine's for the device)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per engine (torch intra-op; default: the engine's choice on a CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve engines: GPUs per engine")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"], help="nanoserve engines: weight-only")
     p.add_argument("--scheduling", default="auto", choices=["auto", "async", "sync"],
@@ -547,17 +614,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 # %% ../nbs/15_bench.ipynb #5b7b6731
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each engine, each in a fresh process")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of GPU warm-up before each run")
     p.add_argument("--profile-steps", type=int, default=16,
                    help="decode steps profiled per run for kernels/step and busy share (0: none, for clean latency tails)")
-    p.add_argument("--out", default=None, help="results JSON, or a folder for it (default: "
-                                                "figures/data/bench_<workload>_<mode>.json)")
+    p.add_argument("--out", default=None, help="the results JSON, or a folder for it (bench_<workload>_<mode>.json "
+                                                "there), rewritten after every run; without it nothing is written")
     p.add_argument("--plot", action="store_true", help="also draw the standard figures next to the JSON's folder")
 
 # %% ../nbs/15_bench.ipynb #c0f84063
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanoserve bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="nanoserve bench", formatter_class=DefaultsHelp,
                                 description="Benchmark engines on the same requests, each in its own process.",
                                 epilog="With --endpoint URL, `nanoserve bench` sends the workload to an OpenAI-compatible "
                                        "server instead (see `nanoserve bench --endpoint URL --help`).")
@@ -570,11 +637,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 # %% ../nbs/15_bench.ipynb #a18398da
 def check_args(args) -> None:
-    "What argparse cannot check: at least one repeat, no negative window, positive rates."
+    """What argparse cannot check: at least one repeat, no negative window, positive rates and threads, a folder
+    for the figures, and a CUDA device when one is asked for (before any worker starts)."""
     if args.repeats < 1: raise ValueError("--repeats must be >= 1")
     if args.profile_steps < 0: raise ValueError("--profile-steps must be >= 0")
     for rate in args.rate or []:
         if not rate > 0: raise ValueError(f"the request rate must be > 0, got {rate}")
+    if args.threads is not None and args.threads < 1: raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.plot and not args.out: raise ValueError("--plot needs --out: the figures go beside the results JSON")
+    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__} "
+                         "sees none); use --device cpu")
 
 # %% ../nbs/15_bench.ipynb #61d45e6b
 def workload_from_args(args) -> WorkloadSpec:
@@ -587,7 +660,7 @@ def workload_from_args(args) -> WorkloadSpec:
 
 # %% ../nbs/15_bench.ipynb #beb0544c
 def engine_kwargs_from_args(args) -> dict:
-    "The keywords our engines get: always the batch limits, device and dtype; the rest only when changed."
+    "The keywords our engines get: always the batch limits, device and dtype; the rest (threads too) only when set."
     kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
           "num_kv_blocks": args.num_kv_blocks, "device": args.device, "dtype": args.dtype}
     if args.tensor_parallel_size != 1: kw["tensor_parallel_size"] = args.tensor_parallel_size
@@ -596,6 +669,7 @@ def engine_kwargs_from_args(args) -> dict:
     if args.no_mixed_step_graphs: kw["mixed_step_graphs"] = False
     if args.no_row_gemv: kw["row_gemv"] = False
     if args.no_pdl: kw["pdl"] = False
+    if args.threads is not None: kw["num_threads"] = args.threads
     return kw
 
 # %% ../nbs/15_bench.ipynb #9eace5b7
@@ -606,18 +680,26 @@ def _root() -> Path:
     return p if (p / "settings.ini").exists() else Path.cwd()
 
 # %% ../nbs/15_bench.ipynb #3eff5531
-def results_path(args, spec: WorkloadSpec) -> Path:
-    "Where the results go, decided before the run: `--out`, a folder's default name, or figures/data."
-    name = f"bench_{spec.kind}_{'offline' if not args.rate else 'poisson'}.json"
-    out = Path(args.out) if args.out else _root() / "figures" / "data" / name
+def results_path(args, spec: WorkloadSpec) -> Path | None:
+    "Where the results go, decided before the run: `--out`, or a folder's default name there; None without --out."
+    if not args.out: return None
+    name, out = f"bench_{spec.kind}_{'offline' if not args.rate else 'poisson'}.json", Path(args.out)
     return out / name if out.is_dir() else out
 
 # %% ../nbs/15_bench.ipynb #ebf09387
-def write_results(results: dict, out: Path, plot: bool) -> None:
-    "The JSON, the table on stdout, and (with `plot`) the figures beside the JSON's folder."
+def save_results(results: dict, out: Path) -> None:
+    "Write the JSON whole or not at all (a temporary file renamed over it), so that a Ctrl-C leaves the last one."
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(report(results)); print(f"results: {out}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out)
+
+
+def write_results(results: dict, out: Path | None, plot: bool) -> None:
+    "The table on stdout, the JSON (with --out) and, with `plot`, the figures beside the JSON's folder."
+    print(report(results))
+    if out is None: print("results not written (no --out)"); return
+    save_results(results, out); print(f"results: {out}")
     if plot: plot_results(results, out.parent.parent if out.parent.name == "data" else out.parent, prefix=out.stem)
 
 # %% ../nbs/15_bench.ipynb #64086069
@@ -627,25 +709,39 @@ def model_dir_from_args(args) -> Path:
     return random_checkpoint(args.shape) if args.shape else default_model()
 
 # %% ../nbs/15_bench.ipynb #dc33b0c0
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_worker"]:                      # one engine's run, in the process `_spawn` started
-        job = json.loads(Path(argv[1]).read_text())
-        Path(argv[2]).write_text(json.dumps(run_worker(job)))
-        return 0
-    args = build_parser().parse_args(argv)
+def run_command(args, argv: list[str], model_dir: Callable[[], Path | None], engines: list[str], **run_kw) -> int:
+    """Run the benchmark of a parsed command line: the results saved after every run (with --out), the table printed.
+    The exit status: 0; 1 when a run failed (each named on stderr with its reason); 2 for bad input; 130 on Ctrl-C,
+    with the runs that finished kept in --out."""
+    latest, out = {}, None
+    def save(results):
+        latest["results"] = results
+        if out is not None: save_results(results, out)
     try:
         check_args(args)
-        spec, engines = workload_from_args(args), [e.strip() for e in args.engines.split(",") if e.strip()]
-        out = results_path(args, spec)
-        results = run_benchmark(model_dir_from_args(args), spec, engines, rates=args.rate,
-                                engine_kwargs=engine_kwargs_from_args(args), repeats=args.repeats,
-                                warmup_s=args.warmup, command="nanoserve bench " + " ".join(argv),
-                                profile_steps=args.profile_steps)
+        spec = workload_from_args(args); out = results_path(args, spec)
+        results = run_benchmark(model_dir(), spec, engines, rates=args.rate, engine_kwargs=engine_kwargs_from_args(args),
+                                repeats=args.repeats, warmup_s=args.warmup, command="nanoserve bench " + " ".join(argv),
+                                profile_steps=args.profile_steps, save=save, **run_kw)
     except (ValueError, FileNotFoundError) as e:
         print(f"nanoserve bench: error: {e}", file=sys.stderr); return 2
+    except KeyboardInterrupt:
+        if latest: print(report(latest["results"]))
+        kept = f"the runs that finished are in {out}" if out is not None and out.is_file() else "nothing was written"
+        print(f"nanoserve bench: interrupted; {kept}", file=sys.stderr); return 130
     write_results(results, out, args.plot)
-    return 0
+    failed = [r for r in results["runs"] if "error" in r]
+    for r in failed:
+        print(f"nanoserve bench: {r['mode']} {r['engine']} failed: {failure_reason(r['error'])}", file=sys.stderr)
+    return 1 if failed else 0
+
+# %% ../nbs/15_bench.ipynb #65f1c3c0
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]: return worker_main(argv[1], argv[2])    # one engine's run, in the process `_spawn` started
+    args = build_parser().parse_args(argv)
+    return run_command(args, argv, lambda: model_dir_from_args(args),
+                       [e.strip() for e in args.engines.split(",") if e.strip()])
 
 
 if __name__ == "__main__" and "IPython" not in sys.modules:   # `python -m nanoserve.bench`, not the notebook

@@ -14,8 +14,15 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 # %% auto #0
-__all__ = ['simulate_summary', 'replay_check', 'print_simulation', 'simulate_policies', 'cmd_simulate', 'generate_engine',
-           'cmd_generate', 'build_parser', 'main']
+__all__ = ['DefaultsHelp', 'simulate_summary', 'replay_check', 'print_simulation', 'simulate_policies', 'cmd_simulate',
+           'check_device', 'generate_engine', 'cmd_generate', 'build_parser', 'main']
+
+# %% ../nbs/90_cli.ipynb #f758c413
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    "argparse's defaults in the help, only those worth reading: none after an option that is unset or a flag."
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool): return action.help
+        return super()._get_help_string(action)
 
 # %% ../nbs/90_cli.ipynb #3d37673c
 def simulate_summary(result, requests) -> dict:
@@ -95,14 +102,25 @@ def cmd_simulate(args) -> int:
     return 0
 
 # %% ../nbs/90_cli.ipynb #5ded36e8
+def check_device(device: str | None) -> None:
+    "A CUDA device asked for on a machine without one: a clear error, before any model loads."
+    if not (device or "").startswith("cuda"): return
+    import torch                           # only here: `simulate` never needs it
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__} sees none); "
+                         "use --device cpu")
+
+
 def generate_engine(args):
     "The engine and the sampling parameters of a `generate` command line."
     from nanoserve.engine import LLM, SamplingParams
+    check_device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    threads = {"num_threads": args.threads} if args.threads is not None else {}   # None: the engine's default
     llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
               quantization=args.quantization, quant_group_size=args.quant_group_size,
-              quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
+              quantize_lm_head=args.quantize_lm_head, freeze_gc=True, **threads)
     return llm, params
 
 # %% ../nbs/90_cli.ipynb #e97f4a16
@@ -131,21 +149,21 @@ def cmd_generate(args) -> int:
 # %% ../nbs/90_cli.ipynb #23ab5de6
 def _simulate_parser(sub) -> None:
     s = sub.add_parser("simulate", help="run a seeded workload through the scheduler with a fake model",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--num-requests", type=int, default=256)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--prompt-median", type=float, default=256)
-    s.add_argument("--output-median", type=float, default=128)
-    s.add_argument("--sigma", type=float, default=1.0)
-    s.add_argument("--max-prompt-len", type=int, default=2048)
-    s.add_argument("--max-output-len", type=int, default=1024)
-    s.add_argument("--shared-prefix-len", type=int, default=0)
+                       formatter_class=DefaultsHelp)
+    s.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
+    s.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths and arrivals")
+    s.add_argument("--prompt-median", type=float, default=256, help="median prompt length (tokens, lognormal)")
+    s.add_argument("--output-median", type=float, default=128, help="median output length (tokens, lognormal)")
+    s.add_argument("--sigma", type=float, default=1.0, help="sigma of both lengths' logarithms")
+    s.add_argument("--max-prompt-len", type=int, default=2048, help="prompt lengths clipped to this")
+    s.add_argument("--max-output-len", type=int, default=1024, help="output lengths clipped to this")
+    s.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
     s.add_argument("--arrival-rate", type=float, default=None, help="requests per step (Poisson); all at once if unset")
-    s.add_argument("--num-blocks", type=int, default=2048)
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--num-blocks", type=int, default=2048, help="KV-cache blocks")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    s.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
     s.add_argument("--trace", default=None, help="write the continuous run's decisions to this JSON-lines file")
     s.add_argument("--replay", default=None, help="replay a recorded trace and check it decides the same")
     s.set_defaults(func=cmd_simulate)
@@ -153,18 +171,21 @@ def _simulate_parser(sub) -> None:
 # %% ../nbs/90_cli.ipynb #24332b6c
 def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("prompt")
+                       formatter_class=DefaultsHelp)
+    g.add_argument("prompt", help="the prompt's text")
     g.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of this probability")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--seed", type=int, default=None, help="the sampling seed (default: none, a fresh draw)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="the weights' dtype (default: the engine's for the device)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (torch intra-op; default: the engine's choice on a CPU)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU processes) to split the model across")
     g.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization")
     g.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale (must divide every layer)")

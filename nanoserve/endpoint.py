@@ -13,12 +13,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from .bench import (BenchRequest, build_parser, check_args, engine_kwargs_from_args, percentile, run_benchmark,
-                             results_path, summarize, workload_from_args, write_results)
+from .bench import BenchRequest, build_parser, percentile, run_command, summarize
 
 # %% auto #0
-__all__ = ['parse_sse_line', 'chunk_info', 'probe_server', 'endpoint_result', 'arun_endpoint', 'run_endpoint', 'endpoint_runner',
-           'build_endpoint_parser', 'main']
+__all__ = ['parse_sse_line', 'chunk_info', 'probe_server', 'endpoint_result', 'arun_endpoint', 'run_endpoint', 'failed_run',
+           'endpoint_runner', 'build_endpoint_parser', 'main']
 
 # %% ../nbs/16_endpoint.ipynb #d639b214
 def parse_sse_line(line: str):
@@ -173,12 +172,25 @@ def run_endpoint(url: str, requests: list[BenchRequest], send_times: list[float]
     return box["result"]
 
 # %% ../nbs/16_endpoint.ipynb #5d120309
+def failed_run(res: dict, url: str) -> str | None:
+    """Why a run against `url` is no measurement, or None: every request must come back whole (the benchmark's
+    numerator), so one failed request fails the run, and a server that never answered is named as such."""
+    per = res["per_request"]
+    if not res["errors"]: return None
+    first = next(r["error"] for r in per if "error" in r)
+    if res["errors"] < len(per): return f"{res['errors']} of {len(per)} requests failed; the first: {first}"
+    if first.startswith(("ConnectError", "ConnectTimeout")): return f"no server answers at {url}: {first}"
+    return f"all {len(per)} requests failed; the first: {first}"
+
+# %% ../nbs/16_endpoint.ipynb #5762daa6
 def endpoint_runner(endpoint: dict) -> Callable[[dict], dict]:
-    "A `run_one` for `bench.run_benchmark`: each job's requests sent to `endpoint` ({url, api_key, model}) over HTTP."
+    """A `run_one` for `bench.run_benchmark`: each job's requests sent to `endpoint` ({url, api_key, model}) over
+    HTTP; a run with a failed request raises (`failed_run` says why), so that it is an error, not a measurement."""
     def run(job: dict) -> dict:
         requests = [BenchRequest(tuple(p), n) for p, n in job["requests"]]
         res = run_endpoint(endpoint["url"], requests, job["send_times"], api_key=endpoint.get("api_key"),
                            model=endpoint.get("model"))
+        if (why := failed_run(res, endpoint["url"])) is not None: raise RuntimeError(why)
         res["summary"] = summarize(res["per_request"], res["wall_s"])
         return res
     return run
@@ -197,23 +209,14 @@ def build_endpoint_parser():
 
 # %% ../nbs/16_endpoint.ipynb #0b3c4505
 def main(argv: list[str] | None = None) -> int:
-    "`nanoserve bench --endpoint URL ...`: the benchmark's workload, sent to a server; results as `nanoserve bench` writes them."
+    """`nanoserve bench --endpoint URL ...`: the benchmark's workload, sent to a server; results as `nanoserve bench`
+    writes them, and the same exit status (1 when a run failed: a dead server, a refused request)."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_endpoint_parser().parse_args(argv)
     endpoint = {"url": args.endpoint, "api_key": args.api_key or os.environ.get("OPENAI_API_KEY"),
                 "model": args.served_model or args.model}
-    try:
-        check_args(args)
-        spec = workload_from_args(args)
-        out = results_path(args, spec)
-        results = run_benchmark(None, spec, [f"endpoint:{args.endpoint}"], rates=args.rate,
-                                engine_kwargs=engine_kwargs_from_args(args), repeats=args.repeats, warmup_s=args.warmup,
-                                command="nanoserve bench " + " ".join(argv), profile_steps=args.profile_steps,
-                                limits=(args.vocab_size, args.max_model_len), run_one=endpoint_runner(endpoint))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"nanoserve bench: error: {e}", file=sys.stderr); return 2
-    write_results(results, out, args.plot)
-    return 0
+    return run_command(args, argv, lambda: None, [f"endpoint:{args.endpoint}"],
+                       limits=(args.vocab_size, args.max_model_len), run_one=endpoint_runner(endpoint))
 
 
 if __name__ == "__main__" and "IPython" not in sys.modules:   # `python -m nanoserve.endpoint`, not the notebook

@@ -453,3 +453,154 @@ def test_cli_out_folder_gets_the_default_name(model_dir, tmp_path):
     assert rc == 0
     res = json.loads((tmp_path / "bench_lognormal_offline.json").read_text())
     assert res["runs"][0]["reps"][0]["summary"]["output_tokens"] == res["num_output_tokens_requested"]
+
+
+# --- the command's failures, partial results and help (issue 26) ---------------------------------------------------
+
+TINY_RUN = ["--num-requests", "2", "--prompt-median", "8", "--output-median", "3", "--prompt-max", "12",
+            "--output-max", "4", "--warmup", "0", "--device", "cpu", "--max-num-seqs", "2",
+            "--max-num-batched-tokens", "64", "--profile-steps", "0"]
+
+
+def fake_rep(job) -> dict:
+    "What a worker returns for `job`, made up at once: every request got its tokens in 0.1 s."
+    per = [{"num_output_tokens": n, "ttft_s": 0.01, "e2e_s": 0.1, "send_s": 0.0} for _, n in job["requests"]]
+    return {"per_request": per, "wall_s": 0.1, "summary": summarize(per, 0.1)}
+
+
+def test_cli_failing_engine_prints_the_worker_s_reason_and_exits_nonzero(model_dir, tmp_path, capsys):
+    """A worker that fails (static:32 asks for more sequences than the token budget) must be reported with the
+    exception's type and message, which the worker itself raised, and the command must exit non-zero. It printed
+    an empty reason ('worker for static:32 failed (exit 1):') and exited 0."""
+    out = tmp_path / "res.json"
+    rc = bench.main(TINY_RUN[:-4] + ["--max-num-batched-tokens", "16", "--profile-steps", "0", "--engines",
+                                     "continuous,static:32", "--repeats", "1", "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 1, rc
+    failed = [l for l in cap.out.splitlines() if "FAILED" in l]
+    assert len(failed) == 1 and "static:32" in failed[0], cap.out
+    assert "ValueError" in failed[0] and "max_num_batched_tokens (16)" in failed[0], failed[0]
+    assert "static:32" in cap.err and "ValueError" in cap.err and "max_num_batched_tokens (16)" in cap.err
+    res = json.loads(out.read_text())
+    assert res["complete"] is True and [("error" in r) for r in res["runs"]] == [False, True]
+    assert "ValueError" in res["runs"][1]["error"] and "File \"" in res["runs"][1]["error"]   # its traceback
+
+
+def test_cli_without_out_writes_nothing(model_dir, tmp_path, capsys, monkeypatch):
+    "With no --out the table is printed and no file is written: it wrote into the project's figures/data/."
+    (tmp_path / "settings.ini").write_text("[DEFAULT]\n")          # a project folder, as _root() finds one
+    (tmp_path / "figures" / "data").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "_spawn", lambda job, timeout: fake_rep(job))
+    repo_data = Path(__file__).resolve().parents[1] / "figures" / "data"
+    before = {p.name: p.stat().st_mtime_ns for p in repo_data.iterdir()} if repo_data.is_dir() else {}
+    assert bench.main(["--model", str(model_dir), "--engines", "continuous", *TINY_RUN]) == 0
+    out = capsys.readouterr().out
+    assert "continuous" in out and "output tokens" in out and "not written" in out
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["figures", "figures/data", "settings.ini"]
+    assert ({p.name: p.stat().st_mtime_ns for p in repo_data.iterdir()} if repo_data.is_dir() else {}) == before
+    assert bench.main(["--model", str(model_dir), "--engines", "continuous", "--plot", *TINY_RUN]) == 2   # no folder to plot into
+    assert "--plot needs --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("interrupt_at", [(1, 0), (0, 1)])    # (engine, repeat) the Ctrl-C comes in
+def test_cli_interrupted_run_keeps_what_finished(model_dir, tmp_path, capsys, monkeypatch, interrupt_at):
+    "Results are written after every repeat: a run interrupted in the second engine (or repeat) keeps the first."
+    calls = []
+    def spawn(job, timeout):
+        calls.append(job["engine"])
+        engine, rep = ["continuous", "static:2"].index(job["engine"]), calls.count(job["engine"]) - 1
+        if (engine, rep) == interrupt_at: raise KeyboardInterrupt
+        return fake_rep(job)
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    out = tmp_path / "res.json"
+    rc = bench.main(["--model", str(model_dir), "--engines", "continuous,static:2", "--repeats", "2", *TINY_RUN,
+                     "--out", str(out)])
+    assert rc == 130
+    res = json.loads(out.read_text())
+    assert res["complete"] is False
+    if interrupt_at == (1, 0):
+        (run,) = res["runs"]
+        assert run["engine"] == "continuous" and len(run["reps"]) == 2 and not run.get("partial")
+    else:
+        (run,) = res["runs"]
+        assert run["engine"] == "continuous" and len(run["reps"]) == 1 and run["partial"] is True
+    assert str(out) in capsys.readouterr().err
+
+
+def test_cli_second_engine_failing_keeps_the_first(model_dir, tmp_path, monkeypatch):
+    "A failing engine is an entry of its own; the file is complete, the exit status 1."
+    def spawn(job, timeout):
+        if job["engine"] == "static:2": raise RuntimeError("worker for static:2 failed (exit 1): OSError: disk full")
+        return fake_rep(job)
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    out = tmp_path / "res.json"
+    assert bench.main(["--model", str(model_dir), "--engines", "continuous,static:2", *TINY_RUN, "--out", str(out)]) == 1
+    res = json.loads(out.read_text())
+    assert res["complete"] is True and len(res["runs"][0]["reps"]) == 2 and "disk full" in res["runs"][1]["error"]
+
+
+def test_report_has_no_nan_for_one_repeat():
+    per = [{"num_output_tokens": 3, "ttft_s": 0.01, "e2e_s": 0.1, "send_s": 0.0}]
+    run = bench._run_entry("offline", None, "continuous", [{"per_request": per, "summary": summarize(per, 0.1)}])
+    line = bench._report_line(run)
+    assert "nan" not in line.lower() and "30" in line
+
+
+def parser_problems(p) -> list[str]:
+    "Options of `p` with no help text, and '(default: None)' noise in its help."
+    import argparse
+    bad = [a.option_strings[0] for a in p._actions
+           if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    return bad + (["(default: None)"] if "(default: None)" in p.format_help() else []) \
+        + (["(default: False)"] if "(default: False)" in p.format_help() else [])
+
+
+def test_help_has_help_for_every_option_and_no_default_none():
+    assert parser_problems(bench.build_parser()) == []
+    from nanoserve.endpoint import build_endpoint_parser
+    assert parser_problems(build_endpoint_parser()) == []
+
+
+def test_cli_generate_and_simulate_help():
+    import argparse
+    from nanoserve.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("generate", "simulate"):
+        assert parser_problems(sub.choices[name]) == [], name
+
+
+def test_generate_on_cuda_without_cuda_is_one_clear_line(monkeypatch, capsys):
+    "`nanoserve generate --device cuda` with no CUDA: exit 2 and one line, no traceback, before any model loads."
+    import torch
+    from nanoserve import cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["generate", "hello", "--device", "cuda", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nanoserve generate: error:") and "CUDA" in err, err
+    assert "Traceback" not in err
+
+
+def test_bench_on_cuda_without_cuda_is_an_error(monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "_spawn", lambda *a, **k: pytest.fail("no worker may start"))
+    assert bench.main(["--device", "cuda", "--warmup", "0"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+
+
+def test_threads_reach_the_engine(monkeypatch):
+    "`--threads N` is the engine's num_threads (bench's engine keywords; generate's LLM); absent: the engine's default."
+    args = bench.build_parser().parse_args(["--threads", "3"])
+    assert bench.engine_kwargs_from_args(args)["num_threads"] == 3
+    assert "num_threads" not in bench.engine_kwargs_from_args(bench.build_parser().parse_args([]))
+    with pytest.raises(ValueError, match="--threads"):
+        bench.check_args(bench.build_parser().parse_args(["--threads", "0"]))
+    import nanoserve.engine
+    from nanoserve import cli
+    seen = []
+    monkeypatch.setattr(nanoserve.engine, "LLM", lambda *a, **k: seen.append(k) or "llm")
+    gen = cli.build_parser().parse_args(["generate", "x", "--threads", "2", "--device", "cpu"])
+    assert cli.generate_engine(gen)[0] == "llm" and seen[-1]["num_threads"] == 2
+    cli.generate_engine(cli.build_parser().parse_args(["generate", "x", "--device", "cpu"]))
+    assert seen[-1].get("num_threads") is None

@@ -4,6 +4,7 @@ streams. Every failure must be an error on its request, never an exception out o
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -219,3 +220,34 @@ def test_nanoserve_bench_endpoint_cli(server, tmp_path):
         assert rep["summary"]["output_tokens"] == res["num_output_tokens_requested"]
         assert rep["server"]["name"] == "nanoserve"
     assert "endpoint:" in report(res)
+
+
+@pytest.mark.parametrize("mode", ["refused", "all_fail"])
+def test_nanoserve_bench_dead_endpoint_says_so_and_exits_nonzero(mode, tmp_path, capsys):
+    """A dead endpoint (connection refused), or one whose every request fails: the command says so and exits
+    non-zero, with no '0 tok/s' and no nan in the table. It printed both and exited 0."""
+    from nanoserve.cli import main
+    fake = None
+    if mode == "refused":
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        fake = FakeServer("close"); url = fake.url
+    out = tmp_path / "res.json"
+    try:
+        rc = main(["bench", "--endpoint", url, "--model", "m", "--num-requests", "3", "--prompt-median", "8",
+                   "--prompt-max", "16", "--output-median", "2", "--output-max", "4", "--vocab-size", "3072",
+                   "--repeats", "2", "--out", str(out)])
+    finally:
+        if fake is not None: fake.stop()
+    cap = capsys.readouterr()
+    assert rc == 1, (rc, cap.out, cap.err)
+    table = "\n".join(l for l in cap.out.lower().splitlines() if not l.startswith(("results:", "workload:")))
+    assert not re.search(r"\bnan\b", table) and not re.search(r"\s0\s", table), cap.out
+    (line,) = [l for l in cap.out.splitlines() if "FAILED" in l]
+    want = "no server answers at" if mode == "refused" else "all 3 requests failed"
+    assert want in line and want in cap.err, (line, cap.err)
+    res = json.loads(out.read_text())
+    (run,) = res["runs"]
+    assert "reps" not in run and want in run["error"] and res["complete"] is True
