@@ -518,7 +518,8 @@ def _fill_rows(pairs: list, bitmask: torch.Tensor) -> None:
 def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
     "The grammar bitmask of the step's sampled rows, or None (no constrained row)."
     if not self._num_constrained: return None
-    return grammar_bitmask(step, self._requests, self.grammar_compiler.bitmask_width, _fill_rows)
+    return grammar_bitmask(step, self._requests, self.grammar_compiler.bitmask_width, _fill_rows,
+                           pin=self.device.type == "cuda")
 
 EngineStep._sampling, EngineStep._pack, EngineStep._bitmask = _sampling, _pack, _bitmask
 

@@ -259,13 +259,14 @@ def record_prompt(plan: list, entries: list) -> None:
             c.prompt_logprobs.append(TokenLogprob(token, logprob, rank, top[:c.params.prompt_logprobs]))
         i += len(targets)
 
-# %% ../nbs/11a_params.ipynb #ed51a406
-def grammar_bitmask(step: Step, choices: dict, width: int, fill) -> torch.Tensor | None:
-    "The step's host bitmask (None: no sampled row has a grammar); `fill(pairs, bitmask)` fills (row, matcher) pairs."
+# %% ../nbs/11a_params.ipynb #6aece644
+def grammar_bitmask(step: Step, choices: dict, width: int, fill, pin: bool = False) -> torch.Tensor | None:
+    """The step's host bitmask (None: no sampled row has a grammar); `fill(pairs, bitmask)` fills (row, matcher)
+    pairs. `pin`: in pinned memory, so that its copy to the GPU does not wait for the work queued before it."""
     sampled = [choices.get(s.seq_id) for s in step.seqs if s.sample]     # (one finished meanwhile: unmasked)
     pairs = [(j, c.matcher) for j, c in enumerate(sampled) if c is not None and c.matcher is not None]
     if not pairs: return None
-    bitmask = torch.full((len(sampled), width), -1, dtype=torch.int32)
+    bitmask = torch.full((len(sampled), width), -1, dtype=torch.int32, pin_memory=pin)
     fill(pairs, bitmask)
     empty = ~bitmask.any(dim=1)
     bitmask[empty] = -1

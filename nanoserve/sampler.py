@@ -80,10 +80,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     allowed = (bitmask[:, j >> 5] >> (j & 31)) & 1                                        # [S, V]
     return logits.masked_fill_(allowed == 0, -math.inf)
 
-# %% ../nbs/09a_sampler.ipynb #2968aac8
+# %% ../nbs/09a_sampler.ipynb #95839aeb
 def process_logits(logits: torch.Tensor, p: LogitsProcessors) -> torch.Tensor:
     "`logits` [S, V] as fp32 with every stage `p` holds applied (a new tensor)."
-    logits = logits.float().clone()
+    x = logits.float()
+    logits = x.clone() if x is logits else x        # never write into the model's (or a graph's) logits
     if p.penalties is not None: logits = apply_penalties(logits, p)
     if p.bias_rows is not None: apply_bias(logits, p.bias_rows, p.bias_ids, p.bias_values)
     if p.bitmask is not None: apply_bitmask(logits, p.bitmask)
