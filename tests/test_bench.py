@@ -449,10 +449,11 @@ def test_cli_out_folder_gets_the_default_name(model_dir, tmp_path):
     rc = bench.main(["--model", str(model_dir), "--engines", "continuous", "--num-requests", "2", "--prompt-median", "8",
                      "--output-median", "3", "--prompt-max", "12", "--output-max", "4", "--repeats", "1", "--warmup", "0",
                      "--device", "cpu", "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--profile-steps", "0",
-                     "--out", str(tmp_path)])
+                     "--threads", "1", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "bench_lognormal_offline.json").read_text())
     assert res["runs"][0]["reps"][0]["summary"]["output_tokens"] == res["num_output_tokens_requested"]
+    assert res["engine_kwargs"]["num_threads"] == 1 and '"num_threads": 1' in json.dumps(res["runs"][0]["reps"][0]["engine_config"])
 
 
 # --- the command's failures, partial results and help (issue 26) ---------------------------------------------------

@@ -77,13 +77,16 @@ def evaluate(url: str, model_dir: Path, task: str) -> dict:
 
 
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], int]:
-    """The harness's tokenization of a (context, continuation) pair (TemplateAPI._encode_pair): the context's
-    trailing spaces move to the continuation, and the continuation is what the whole adds to the context's tokens.
-    Returns (the whole's ids, the context's length)."""
+    """The harness's tokenization of a (context, continuation) pair (`TemplateLM._encode_pair`): the context's
+    trailing whitespace moves to the continuation; the continuation's ids are what the whole's ids hold past the
+    context's own count, and the request is the context's ids followed by those. (Where a merge crosses the border,
+    as ':' and a newline into ':\n', the request is not the whole's tokenization: the harness scores that sequence,
+    so the reference scores it too.) Returns (the request's ids, the context's length)."""
     n = len(context) - len(context.rstrip())
     if n: context, continuation = context[:-n], context[-n:] + continuation
     whole = tok.encode(context + continuation, add_special_tokens=False)
-    return whole, len(tok.encode(context, add_special_tokens=False))
+    ctx = tok.encode(context, add_special_tokens=False)
+    return ctx + whole[len(ctx):], len(ctx)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +97,15 @@ def hf(model_dir):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def hf_logprob(hf, context: str, continuation: str) -> float:
-    "The sum of transformers' log-softmax over the continuation's tokens, each given everything before it."
+def hf_logprob(hf, context: str, continuation: str) -> tuple[float, bool]:
+    """The sum of transformers' log-softmax over the continuation's tokens, each given everything before it, and
+    whether each of them is the most likely token there (the harness's is_greedy)."""
     model, tok = hf
-    whole, ctxlen = encode_pair(tok, context, continuation)
+    ids, ctxlen = encode_pair(tok, context, continuation)
     with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), dim=-1)
-    return sum(logp[i - 1, whole[i]].item() for i in range(ctxlen, len(whole)))
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return (sum(logp[i - 1, ids[i]].item() for i in range(ctxlen, len(ids))),
+            all(logp[i - 1].argmax().item() == ids[i] for i in range(ctxlen, len(ids))))
 
 
 def test_loglikelihood_task_matches_transformers(server, model_dir, hf, offline):
@@ -112,10 +117,10 @@ def test_loglikelihood_task_matches_transformers(server, model_dir, hf, offline)
     for s in samples:
         assert len(s["arguments"]) == len(s["doc"]["choices"]) == len(s["filtered_resps"])
         for (context, continuation), (ll, is_greedy) in zip(s["arguments"], s["filtered_resps"]):
-            want = hf_logprob(hf, context, continuation)
+            want, greedy = hf_logprob(hf, context, continuation)
             assert math.isfinite(ll) and ll < 0, (context, continuation, ll)
             assert abs(ll - want) < TOL, (context, continuation, ll, want)
-            assert isinstance(is_greedy, bool)
+            assert is_greedy == greedy, (context, continuation)
             checked += 1
     assert checked == 12
     acc = res["results"]["nanoserve_tiny_code_mc"]["acc,none"]
