@@ -95,7 +95,24 @@ def grammar_text(spec: StructuredOutputs) -> str:
     except Exception as e: raise ValueError(f"invalid grammar (read as GBNF: it has no Lark `start:` rule): {e}") from None
     return M.grammar_from_lark(lark)
 
-# %% ../nbs/10a_structured.ipynb #6d090c48
+# %% ../nbs/10a_structured.ipynb #7c0e3da4
+def _byte_chars() -> dict[int, str]:
+    "GPT-2's byte-level alphabet: the character a byte-level BPE vocabulary writes for each byte."
+    bs = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    cs = bs[:] + [256 + i for i in range(256 - len(bs))]
+    return dict(zip(bs + [b for b in range(256) if b not in bs], map(chr, cs)))
+
+
+def _text_added_tokens(spec: dict) -> dict:
+    "A tokenizer.json whose non-special added tokens (Qwen2.5's <tool_call>) are vocabulary, so llguidance reads them as text."
+    if spec.get("model", {}).get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("decoder")): return spec
+    # every added token goes into the vocabulary too (its ids stay contiguous); only the special ones stay "added"
+    chars, vocab, kept = _byte_chars(), dict(spec["model"]["vocab"]), []
+    for a in spec.get("added_tokens", []):
+        if vocab.setdefault("".join(chars[b] for b in a["content"].encode()), a["id"]) != a["id"] or a.get("special"): kept.append(a)
+    return {**spec, "model": {**spec["model"], "vocab": vocab}, "added_tokens": kept}
+
+# %% ../nbs/10a_structured.ipynb #f41403ff
 def ll_tokenizer(tokenizer, eos_token_ids=None):
     "llguidance's tokenizer for a Hugging Face fast tokenizer (~1 s for a 150k vocabulary: build it once)."
     _require_llguidance()
@@ -105,7 +122,8 @@ def ll_tokenizer(tokenizer, eos_token_ids=None):
     backend.no_padding(); backend.no_truncation()
     eos = list(eos_token_ids) if eos_token_ids is not None else tokenizer.eos_token_id
     if eos is None or eos == []: raise ValueError("structured output needs an EOS token id (the tokenizer has none: pass eos_token_ids)")
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=len(tokenizer), eos_token=eos)
+    spec = _text_added_tokens(json.loads(backend.to_str()))
+    return llguidance.LLTokenizer(json.dumps(spec, ensure_ascii=False), n_vocab=len(tokenizer), eos_token=eos)
 
 # %% ../nbs/10a_structured.ipynb #c9efd9b2
 class GrammarMatcher:

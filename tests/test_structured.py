@@ -394,3 +394,27 @@ def test_imports_and_fails_clearly_without_llguidance():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[{'name': 'f', 'arguments': '{}'}]" in r.stdout
     assert "ERROR structured output needs llguidance, which is not installed: pip install 'nanoserve[structured]'" in r.stdout
+
+
+def test_qwen_tool_call_tokens_are_text():
+    "Qwen2.5's <tool_call> / </tool_call> are non-special added tokens: text that a grammar matches, as one token or in pieces."
+    tok = load_tokenizer(default_model())
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    c = GrammarCompiler(tok, len(tok) + 5)
+    open_id, close_id = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    text = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(text)
+    assert ids[0] == open_id and ids[-1] == close_id
+    spec = tool_call_outputs([CLOCK], "required")
+    m = c.compile(spec).matcher()
+    mask = torch.zeros(1, c.bitmask_width, dtype=torch.int32)
+    m.fill_bitmask(mask, 0)
+    assert [tok.decode([t]) for t in allowed(mask, 0)] == ["<"]     # forced text: llguidance's canonical pieces
+    assert all(m.accept(t) for t in ids) and m.is_accepting()       # the one-token tags are accepted too
+    m.fill_bitmask(mask, 0)
+    assert set(allowed(mask, 0)) <= {tok.eos_token_id} | set(tok.encode("\n")) | {open_id}
+    specials = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>"])
+    m = c.compile(StructuredOutputs(regex="[^x]*")).matcher()
+    m.fill_bitmask(mask, 0)
+    assert open_id in allowed(mask, 0) and not set(specials) & set(allowed(mask, 0))   # special ones are never text
+    assert parse_tool_calls(tok.decode(ids)) == ("", [{"name": "get_time", "arguments": "{}"}])
