@@ -5,8 +5,8 @@
 # %% ../nbs/17_server.ipynb #906100fd
 from __future__ import annotations
 
-import argparse, asyncio, contextlib, hmac, json, os
-import queue, sys, threading, time, uuid
+import argparse, asyncio, codecs, contextlib, difflib, hmac, ipaddress, json, os
+import queue, re, socket, sys, threading, time, uuid
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,23 +23,34 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from .engine import LLM, RequestOutput, SamplingParams
+from .structured import StructuredOutputs, ToolCallStream, parse_tool_calls, tool_call_outputs
 from .tokenizer import load_tokenizer
 
 # %% auto #0
-__all__ = ['JsonInt', 'NonEmptyStr', 'TokenId', 'APIError', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage',
-           'ChatCompletionRequest', 'describe_validation_error', 'Histogram', 'ServerMetrics', 'render_metrics',
-           'RequestStream', 'EngineThread', 'refuse_unsupported', 'check_room', 'OpenAIServing', 'usage', 'sse',
-           'ResponseShaper', 'generate_response', 'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer',
-           'ServerThread', 'build_parser', 'check_serve_args', 'engine_from_args', 'main']
+__all__ = ['JsonInt', 'NonEmptyStr', 'TokenId', 'Bias', 'IGNORED', 'APIError', 'StreamOptions', 'JsonSchemaFormat',
+           'ResponseFormat', 'StructuredOutputsField', 'CompletionRequest', 'TextPart', 'ToolCallFunction', 'ToolCall',
+           'ChatMessage', 'FunctionDef', 'Tool', 'NamedToolChoice', 'ChatCompletionRequest',
+           'describe_validation_error', 'Histogram', 'ServerMetrics', 'render_metrics', 'RequestStream', 'EngineThread',
+           'find_surrogate', 'refuse_unsupported', 'parse_logit_bias', 'sampling_fields', 'chat_conversation',
+           'tool_mode', 'structured_spec', 'check_room', 'TokenText', 'completion_logprobs', 'chat_logprobs',
+           'OpenAIServing', 'usage', 'sse', 'ResponseShaper', 'AnswerOptions', 'Answer', 'generate_response',
+           'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer', 'ServerThread', 'build_parser',
+           'check_serve_args', 'exposure_warning', 'bind_socket', 'engine_from_args', 'main']
 
 # %% ../nbs/17_server.ipynb #1bc0742b
+def _printable(s: str | None) -> str | None:
+    "`s` with any lone UTF-16 surrogate written as `\\udxxx`, so that it can be sent as UTF-8."
+    return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
     "An error the client sees as OpenAI-shaped JSON with HTTP status `status`."
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+        self.status, self.message, self.param, self.code = status, _printable(message), _printable(param), code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -50,7 +61,7 @@ class APIError(Exception):
 
 # %% ../nbs/17_server.ipynb #578754c2
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 def _integral(v):
     return int(v) if isinstance(v, float) and v.is_integer() else v
@@ -58,11 +69,36 @@ def _integral(v):
 JsonInt = Annotated[int, BeforeValidator(_integral)]          # 2 and 2.0, not 2.5, "2" or true
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 TokenId = Annotated[JsonInt, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
+IGNORED = "accepted and ignored"
 
 
 class StreamOptions(_Strict):
     "Options of a streamed response."
     include_usage: bool = Field(False, description="send a last chunk with the token counts")
+
+# %% ../nbs/17_server.ipynb #c17f0a01
+class JsonSchemaFormat(_Strict):
+    "`response_format.json_schema`: the schema the answer must fit."
+    name: str = Field(description="the schema's name (not used)")
+    description: str | None = Field(None, description=IGNORED)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema (none: any JSON object)")
+    strict: bool | None = Field(None, description="the answer always fits the schema, strict or not")
+
+
+class ResponseFormat(_Strict):
+    "OpenAI's `response_format`: free text, any JSON object, or JSON that fits a schema."
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
+
+
+class StructuredOutputsField(_Strict):
+    "vLLM's `structured_outputs`: exactly one of these."
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
+    regex: str | None = Field(None, description="a regular expression the whole answer matches")
+    choice: list[str] | None = Field(None, min_length=1, description="the answer is one of these strings")
+    grammar: str | None = Field(None, description="a grammar (see the structured-output chapter for its syntax)")
+    json_object: bool | None = Field(None, description="any JSON object")
 
 # %% ../nbs/17_server.ipynb #87ce1281
 class _GenerationRequest(_Strict):
@@ -70,28 +106,43 @@ class _GenerationRequest(_Strict):
     max_tokens: JsonInt | None = Field(None, ge=1, description="tokens to generate at most")
     temperature: float | None = Field(None, ge=0, description="0: greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: JsonInt | None = Field(None, ge=-1, description="keep the k most likely tokens; 0 or -1: all")
+    top_k: JsonInt | None = Field(None, ge=-1, description="keep the k most likely tokens; 0 or -1: all (vLLM's)")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p times the top one's probability")
     seed: JsonInt | None = Field(None, description="the same seed gives the same tokens, alone or in any batch")
+    n: JsonInt = Field(1, ge=1, le=128, description="choices per prompt (the prompt is computed once)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted from tokens already generated")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="times each generated token's count")
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM's: > 1 discourages prompt and output tokens")
+    logit_bias: dict[str, Bias] | None = Field(None, description='token id (a string, "42") -> bias added to its logit')
+    min_tokens: JsonInt | None = Field(None, ge=0, description="no end of sequence or stop before this many (vLLM's)")
     stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, description="end before any of these strings")
     stop_token_ids: list[TokenId] | None = Field(None, description="end with any of these token ids")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: JsonInt = Field(1, ge=1, description="only 1 is supported")
-    presence_penalty: float | None = Field(None, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported")
-    user: str | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
+    structured_outputs: StructuredOutputsField | None = Field(None, description="vLLM's structured output")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older form of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older form of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="older structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older form of structured_outputs.grammar")
+    user: str | None = Field(None, description=IGNORED)
+    metadata: dict[str, Any] | None = Field(None, description=IGNORED)
+    store: bool | None = Field(None, description=IGNORED + ": nothing is stored")
+    service_tier: str | None = Field(None, description=IGNORED)
 
 # %% ../nbs/17_server.ipynb #3bcec2f8
 class CompletionRequest(_GenerationRequest):
     "The body of `POST /v1/completions`."
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        description="a string or a list of token ids (a list of one such prompt is accepted too)")
-    echo: bool = Field(False, description="not supported")
-    suffix: str | None = Field(None, description="not supported")
-    best_of: JsonInt | None = Field(None, description="only 1 is supported")
-    logprobs: JsonInt | None = Field(None, description="not supported")
+        description="a string or a list of token ids, or a list of either (a batch: n choices for each)")
+    max_tokens: JsonInt | None = Field(None, ge=0, description="tokens to generate at most (default 16); 0 only "
+                                                               "with echo: the prompt is scored, nothing generated")
+    echo: bool = Field(False, description="the prompt's text (and with logprobs, its logprobs) before the answer")
+    logprobs: JsonInt | None = Field(None, ge=0, le=5, description="each token's logprob and the top k alternatives")
+    best_of: JsonInt | None = Field(None, ge=1, le=128, description="draw best_of choices, return the n most likely "
+                                                                    "(not with stream)")
+    suffix: str | None = Field(None, description="refused: inserting text is not supported")
 
 # %% ../nbs/17_server.ipynb #3bb97be2
 class TextPart(_Strict):
@@ -100,32 +151,100 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Strict):
+    "A call an assistant message made (as this server returned it)."
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     "One message of a conversation."
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="may be null only in an assistant's tool call")
+    name: str | None = Field(None, description=IGNORED)
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    refusal: str | None = Field(None, description=IGNORED)
+
+# %% ../nbs/17_server.ipynb #c17f0a03
+class FunctionDef(_Strict):
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(None, description="required and named calls always fit the schema")
+
+
+class Tool(_Strict):
+    "A function the model may call."
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _Named(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    "`tool_choice` naming the one function to call."
+    type: Literal["function"]
+    function: _Named
 
 # %% ../nbs/17_server.ipynb #9aac6fe1
 class ChatCompletionRequest(_GenerationRequest):
     "The body of `POST /v1/chat/completions`."
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(None, ge=1, description="tokens to generate at most")
-    logprobs: bool | None = Field(None, description="not supported")
-    top_logprobs: JsonInt | None = Field(None, description="not supported")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} is supported")
+    logprobs: bool = Field(False, description="each output token's logprob")
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=20, description="with logprobs: the k most likely tokens too")
+    tools: list[Tool] | None = Field(None, description="functions the model may call (through the chat template)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (the default with tools), none, required, or a named function")
+    parallel_tool_calls: bool | None = Field(None, description="false: a required or named call is one call")
+    functions: list[dict[str, Any]] | None = Field(None, description="deprecated: refused, send tools")
+    function_call: str | dict[str, Any] | None = Field(None, description="deprecated: refused, send tool_choice")
+    prediction: dict[str, Any] | None = Field(None, description=IGNORED + " (a hint for speed; the answer is the same)")
 
 # %% ../nbs/17_server.ipynb #7d65fa2a
 _ACCEPTS = {"prompt": "a string or a list of token ids", "stop": "a non-empty string or a list of them",
-            "content": "a string or a list of {'type': 'text', 'text': ...} parts"}
+            "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+            "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"}
 
 
 def _is_union_tag(x) -> bool:
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list", "dict") or "[" in x
                                    or "-" in x or x[:1].isupper())
 
+
+def _field_names(*models) -> frozenset[str]:
+    "Every field name (by its JSON name) of `models` and the models inside them: what a misspelt key is matched to."
+    names, todo = set(), list(models)
+    while todo:
+        m = todo.pop()
+        for name, f in m.model_fields.items():
+            names.add(f.alias or name)
+            todo += [t for t in _model_types(f.annotation) if t not in todo]
+    return frozenset(names)
+
+
+def _model_types(annotation) -> list:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel): return [annotation]
+    return [t for a in getattr(annotation, "__args__", ()) for t in _model_types(a)]
+
 # %% ../nbs/17_server.ipynb #d3ad6237
+_KNOWN_FIELDS = _field_names(CompletionRequest, ChatCompletionRequest)
+
+
+def _unknown_field(name: str, last: str) -> str:
+    close = difflib.get_close_matches(last, _KNOWN_FIELDS, n=1, cutoff=0.6)
+    return f"unknown field '{name}'" + (f"; did you mean '{close[0]}'?" if close else "")
+
+
 def describe_validation_error(errors: list[dict], content_type: str | None = "application/json"
                               ) -> tuple[str, str | None]:
     "One message naming the first bad field of a request body, and that field (OpenAI's `param`)."
@@ -135,7 +254,7 @@ def describe_validation_error(errors: list[dict], content_type: str | None = "ap
         return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}", None
     path = []
     for x in loc:
-        if _is_union_tag(x): break
+        if _is_union_tag(x) and not (e["type"] == "extra_forbidden" and x is loc[-1]): break
         path.append(x)
     if not path:
         if "json" not in (content_type or ""):
@@ -143,7 +262,8 @@ def describe_validation_error(errors: list[dict], content_type: str | None = "ap
         return "the body must be a JSON object", None
     name = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in path).lstrip(".")
     last = next((x for x in reversed(path) if isinstance(x, str)), path[0])
-    if e["type"] == "missing": message = f"'{name}' is required"
+    if e["type"] == "extra_forbidden": message = _unknown_field(name, last)
+    elif e["type"] == "missing": message = f"'{name}' is required"
     elif len(path) < len(loc) and last in _ACCEPTS: message = f"'{name}' must be {_ACCEPTS[last]}"
     else: message = f"'{name}': {e['msg'][:1].lower()}{e['msg'][1:]}"
     return message, str(path[0])
@@ -251,16 +371,18 @@ def render_metrics(self: ServerMetrics) -> str:
 # %% ../nbs/17_server.ipynb #29e3229c
 @dataclass(eq=False)
 class RequestStream:
-    "The event loop's handle on one submitted request; its outputs arrive on `queue`."
+    "The event loop's handle on one submitted prompt (all its n choices); (stream, output) pairs arrive on `queue`."
     num_prompt_tokens: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_seqs: int = 1            # sequences it may hold in the engine at once (n, or best_of)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)    # shared by the prompts of one HTTP request
     arrival_time: float = field(default_factory=time.perf_counter)
     num_output_tokens: int = 0
     done: bool = False           # finished, failed or aborted: nothing more will arrive
 
 
 def _aborted(request_id: int) -> RequestOutput:
-    return RequestOutput(request_id, None, [], finished=True, finish_reason="abort", finish_time=time.perf_counter())
+    return RequestOutput(request_id, None, [], finished=True, finish_reason="abort", finish_time=time.perf_counter(),
+                         request_finished=True)
 
 # %% ../nbs/17_server.ipynb #a3775c26
 def _end_all(llm: LLM, rid_of: dict, stream_of: dict, make_item) -> list:
@@ -306,9 +428,8 @@ def _step(llm: LLM, rid_of: dict, stream_of: dict, batch: list, reasons: list[st
         message = f"the engine failed: {type(e).__name__}: {e}"
         batch += _end_all(llm, rid_of, stream_of, lambda rid: APIError(500, message, code="engine_error"))
     for stream, out in outputs:
-        if out.finished:
-            del rid_of[stream], stream_of[out.request_id]
-            reasons.append(out.finish_reason)
+        if out.finished: reasons.append(out.finish_reason)           # one choice
+        if out.request_finished: del rid_of[stream], stream_of[out.request_id]   # all of them
         batch.append((stream, out))
     return outputs
 
@@ -328,11 +449,13 @@ class _EngineLoop:
 
     def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_waiting: int = 4096):
         self.llm, self.max_waiting = llm, max_waiting
+        self.capacity = llm.scheduler_config.max_num_seqs   # sequences the engine runs at once
         self.metrics = metrics or ServerMetrics(llm.num_kv_blocks)
         self.closing = False                           # set when shutdown begins: no new requests
         self.error: BaseException | None = None        # why the thread died, if it did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[RequestStream] = set()         # event loop side: submitted and not done
+        self._num_live_seqs = 0                        # their sequences
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -350,8 +473,13 @@ class _EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        with self.metrics.lock: running = self.metrics.running
-        return max(0, len(self._live) - running)
+        "Sequences beyond what the engine runs at once: counted when submitted, not when the engine next reports."
+        return max(0, self._num_live_seqs - self.capacity)
+
+    def _forget(self, stream: RequestStream) -> None:
+        if stream in self._live:
+            self._live.discard(stream)
+            self._num_live_seqs -= stream.num_seqs
 
     def _run(self) -> None:
         llm, rid_of, stream_of = self.llm, {}, {}        # stream -> request id, request id -> stream
@@ -373,8 +501,8 @@ class _EngineLoop:
 
     def _deliver(self, batch: list) -> None:           # on the event loop
         for stream, item in batch:
-            if item is not None: stream.queue.put_nowait(item)
-            if isinstance(item, BaseException) or getattr(item, "finished", False): self._live.discard(stream)
+            if item is not None: stream.queue.put_nowait((stream, item))
+            if isinstance(item, BaseException) or getattr(item, "request_finished", False): self._forget(stream)
 
     def _send(self, batch: list) -> None:
         if batch:
@@ -385,39 +513,44 @@ class _EngineLoop:
 class EngineThread(_EngineLoop):
     "Owns an `LLM` on one background thread; the event loop talks to it only through queues."
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        "Queue a validated request; raises `APIError` 503 when shutting down or the waiting queue is full."
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        "Queue validated prompts (one HTTP request); `APIError` 503 when shutting down or too many would wait."
         if self.closing or not self.alive:
             raise APIError(503, "the server is shutting down" if self.closing else "the engine is not running",
                            code="unavailable")
-        if self.num_waiting >= self.max_waiting:
-            raise APIError(503, f"the server is overloaded: {self.max_waiting} requests are already waiting; "
-                                "retry later", code="queue_full", headers={"Retry-After": "1"})
-        stream = RequestStream(len(prompt_token_ids))
-        self._live.add(stream)
-        self._inbox.put(("add", stream, prompt_token_ids, params))
-        return stream
+        num_seqs = params.best_of or params.n
+        if self._num_live_seqs + num_seqs * len(prompts) - self.capacity > self.max_waiting:
+            raise APIError(503, f"the server is overloaded: {self.num_waiting} sequences are already waiting (at "
+                                f"most {self.max_waiting}); retry later", code="queue_full", headers={"Retry-After": "1"})
+        shared: asyncio.Queue = asyncio.Queue()
+        streams = [RequestStream(len(ids), num_seqs, shared) for ids in prompts]
+        for stream, ids in zip(streams, prompts):
+            self._live.add(stream)
+            self._num_live_seqs += num_seqs
+            self._inbox.put(("add", stream, ids, params))
+        return streams
 
     def abort(self, stream: RequestStream) -> None:
         "Stop `stream`'s request (its blocks are freed on the engine thread's next loop); idempotent."
-        self._live.discard(stream)
+        self._forget(stream)
         if not stream.done:
             stream.done = True
             self._inbox.put(("abort", stream))
 
-    async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        "The request's outputs as they are made; leaving early aborts it."
+    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        "(prompt number, output) for `streams` (from one `submit`) as they are made; leaving early aborts them all."
+        number = {s: i for i, s in enumerate(streams)}
         try:
-            while not stream.done:
-                item = await stream.queue.get()
+            while not all(s.done for s in streams):
+                stream, item = await streams[0].queue.get()
                 if isinstance(item, BaseException):
                     stream.done = True
                     raise item
                 stream.num_output_tokens += len(item.new_token_ids)
-                stream.done = item.finished
-                yield item
+                stream.done = item.request_finished
+                yield number[stream], item
         finally:
-            self.abort(stream)
+            for s in streams: self.abort(s)
 
     async def drain(self, grace: float) -> None:
         "Refuse new requests, let running ones finish for `grace` seconds, then abort the rest."
@@ -437,28 +570,136 @@ class EngineThread(_EngineLoop):
         await asyncio.to_thread(self._thread.join, 30)
 
 # %% ../nbs/17_server.ipynb #5134c9d8
-_UNSUPPORTED = (    # (field, is the value fine?, what to say otherwise)
-    ("n", lambda v: v == 1, "n > 1 is not supported: one choice per request (send n requests instead)"),
-    ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
-    ("logprobs", lambda v: v is None or v is False, "logprobs are not supported"),
-    ("top_logprobs", lambda v: v in (None, 0), "top_logprobs is not supported"),
-    ("echo", lambda v: v is False, "echo is not supported"),
-    ("suffix", lambda v: not v, "suffix is not supported"),
-    ("presence_penalty", lambda v: not v, "presence_penalty is not supported (only 0)"),
-    ("frequency_penalty", lambda v: not v, "frequency_penalty is not supported (only 0)"),
-    ("logit_bias", lambda v: not v, "logit_bias is not supported"),
-    ("tools", lambda v: not v, "tools are not supported"),
-    ("response_format", lambda v: not v or v == {"type": "text"}, "response_format other than text is not supported"),
+_REFUSED = (    # (field, what to say when it is set): OpenAI fields this server does not do
+    ("suffix", "suffix is not supported: this server does not insert text between a prompt and a suffix"),
+    ("functions", "functions is deprecated and not supported: send tools instead"),
+    ("function_call", "function_call is deprecated and not supported: send tool_choice instead"),
 )
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_surrogate(obj, path: str = "") -> str | None:
+    "The JSON path of the first string in `obj` (a key or a value) holding a lone UTF-16 surrogate, if any."
+    if isinstance(obj, str): return path if _SURROGATE.search(obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        sub = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}".lstrip(".")
+        if isinstance(k, str) and _SURROGATE.search(k): return sub
+        hit = find_surrogate(v, sub)
+        if hit is not None: return hit
+    return None
 
 # %% ../nbs/17_server.ipynb #f0c15af2
 def refuse_unsupported(req: _GenerationRequest) -> None:
-    "Raise a 400 naming the first option that asks for something the engine does not do."
-    for name, fine, message in _UNSUPPORTED:
-        if name in type(req).model_fields and not fine(getattr(req, name)):
-            raise APIError(400, message, param=name, code="unsupported")
+    "Raise a 400 naming the first option this server refuses, or the first string that is not valid Unicode."
+    for name, message in _REFUSED:
+        if getattr(req, name, None) is not None: raise APIError(400, message, param=name, code="unsupported")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    path = find_surrogate(req.model_dump(by_alias=True, exclude_defaults=True))
+    if path is not None:
+        raise APIError(400, f"'{path}' holds a lone UTF-16 surrogate, which is not valid Unicode text",
+                       param=re.split(r"[.\[]", path)[0])
+
+# %% ../nbs/17_server.ipynb #c17f0a06
+def _ids_in_vocab(ids, vocab_size: int, name: str) -> list[int]:
+    bad = [t for t in ids if t >= vocab_size]
+    if bad: raise APIError(400, f"{name} token ids must be in [0, {vocab_size}); got {bad[:5]}", param=name)
+    return list(ids)
+
+
+def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    "OpenAI's logit_bias (token ids as strings) as the engine takes it, every id checked against the vocabulary."
+    if not bias: return None
+    for key in bias:
+        if not re.fullmatch(r"[0-9]{1,12}", key):
+            raise APIError(400, f"logit_bias keys must be token ids written as strings, such as \"42\"; got {key!r}",
+                           param="logit_bias")
+    return dict(zip(_ids_in_vocab([int(k) for k in bias], vocab_size, "logit_bias"), bias.values()))
+
+
+def sampling_fields(req: _GenerationRequest, vocab_size: int) -> dict:
+    "The request's sampling fields as `SamplingParams` takes them (not max_tokens, logprobs, structured output)."
+    n, best_of = req.n, getattr(req, "best_of", None)
+    if best_of is not None and best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if best_of is not None and best_of > n and req.stream:
+        raise APIError(400, "best_of > n cannot be streamed: the best are known only at the end", param="best_of")
+    return dict(temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0,
+                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                stop_token_ids=_ids_in_vocab(req.stop_token_ids or (), vocab_size, "stop_token_ids"),
+                n=n, best_of=None if best_of in (None, n) else best_of,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=parse_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens or 0)
+
+# %% ../nbs/17_server.ipynb #c17f0a09
+def chat_conversation(messages: list[ChatMessage]) -> list[dict]:
+    "The messages as the chat template takes them; a 400 for a message that lacks what its role needs."
+    conv = []
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"'messages[{i}].content' is required", param="messages")
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"'messages[{i}].tool_calls' is only for assistant messages", param="messages")
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"'messages[{i}].tool_call_id' is required in a tool message", param="messages")
+        text = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or ())
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.tool_calls: msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]    # arguments stay JSON text
+        if m.tool_call_id is not None: msg["tool_call_id"] = m.tool_call_id
+        conv.append(msg)
+    return conv
+
+
+def tool_mode(req: ChatCompletionRequest) -> tuple[list[dict] | None, str | dict]:
+    "The tools to show the model (None: none) and the choice: 'none', 'auto', 'required' or a named function."
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"): raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None, "none"
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        raise APIError(400, f"tool_choice names '{choice['function']['name']}', which is not among the tools "
+                            f"({', '.join(names)})", param="tool_choice")
+    choice = choice or "auto"
+    return (None if choice == "none" else tools), choice
+
+# %% ../nbs/17_server.ipynb #c17f0a0b
+def _asked_structures(req: _GenerationRequest) -> list[tuple[str, dict]]:
+    "Every structured output the request asks for, as (field, StructuredOutputs keywords)."
+    asks, rf = [], req.response_format
+    if rf is not None and rf.type == "json_object": asks.append(("response_format", {"json_object": True}))
+    if rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs 'json_schema'", param="response_format")
+        schema = rf.json_schema.schema_
+        asks.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+    if req.structured_outputs is not None:
+        asks.append(("structured_outputs", {k: v for k, v in req.structured_outputs.model_dump(by_alias=True).items()
+                                            if v is not None and v is not False}))
+    asks += [(f"guided_{k}", {k: getattr(req, f"guided_{k}")}) for k in ("json", "regex", "choice", "grammar")
+             if getattr(req, f"guided_{k}") is not None]
+    return asks
+
+
+def structured_spec(req: _GenerationRequest, tool_spec: StructuredOutputs | None = None
+                    ) -> tuple[StructuredOutputs, str] | None:
+    "The one structured output asked for (response_format, structured_outputs, guided_*, or a required tool call)."
+    asks = _asked_structures(req) + ([("tool_choice", None)] if tool_spec is not None else [])
+    if len(asks) > 1:
+        raise APIError(400, f"{' and '.join(n for n, _ in asks)} cannot be combined: ask for one structured output",
+                       param=asks[1][0])
+    if not asks: return None
+    name, kw = asks[0]
+    if kw is None: return tool_spec, "tools"
+    kw = {k: tuple(v) if k == "choice" else v for k, v in kw.items()}     # a JSON schema dict is dumped by the spec
+    try:
+        return StructuredOutputs(**kw), name
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"{name}: {e}", param=name)
 
 # %% ../nbs/17_server.ipynb #85169fad
 def check_room(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, max_tokens_name: str,
@@ -476,16 +717,73 @@ def check_room(max_model_len: int, num_prompt_tokens: int, max_tokens: int | Non
                        param=max_tokens_name, code="context_length_exceeded")
     return max_tokens
 
+# %% ../nbs/17_server.ipynb #c17f0a0d
+def _byte_of_char() -> dict[str, int]:
+    "GPT-2's byte-level alphabet, inverted: the byte each character of a byte-level BPE token stands for."
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+class TokenText:
+    "Each token's bytes and text, for logprobs: a byte-level token is bytes, not always whole characters."
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self._byte_of, self._bytes = tokenizer, _byte_of_char(), {}
+
+    def bytes(self, token_id: int) -> bytes:
+        b = self._bytes.get(token_id)
+        if b is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            b = bytes(self._byte_of[c] for c in piece) if all(c in self._byte_of for c in piece) else piece.encode()
+            self._bytes[token_id] = b
+        return b
+
+    def text(self, token_id: int) -> str: return self.bytes(token_id).decode("utf-8", "replace")
+
+# %% ../nbs/17_server.ipynb #c17f0a0f
+def _lp(x: float) -> float: return x if x > -9999.0 else -9999.0     # JSON has no -inf (nor NaN)
+
+
+class _Offsets:
+    "Where each token's text starts in a choice's text (its bytes decoded as the text is: bad bytes replaced)."
+    def __init__(self): self.at, self._decoder = 0, codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, b: bytes) -> int:
+        start, self.at = self.at, self.at + len(self._decoder.decode(b))
+        return start
+
+
+def completion_logprobs(tt: TokenText, pairs: list, offsets: _Offsets) -> dict:
+    "The completions API's logprobs of (token id, TokenLogprob or None) pairs."
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, e in pairs:
+        text = tt.text(token_id)
+        out["text_offset"].append(offsets.feed(tt.bytes(token_id)))
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if e is None else _lp(e.logprob))
+        out["top_logprobs"].append(None if e is None else {**{tt.text(t): _lp(lp) for t, lp in e.top},
+                                                           text: _lp(e.logprob)})
+    return out
+
+
+def chat_logprobs(tt: TokenText, entries: list, k: int) -> dict:
+    "The chat API's logprobs of TokenLogprob entries, with the top `k` of each."
+    def one(t, lp): return {"token": tt.text(t), "logprob": _lp(lp), "bytes": list(tt.bytes(t))}
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top[:k]]}
+                        for e in entries]}
+
 # %% ../nbs/17_server.ipynb #c3cf564a
 class OpenAIServing:
     "What the routes share: the engine thread, the model's name and limits, the event loop's own tokenizer."
 
     def __init__(self, llm: LLM, engine: EngineThread, served_model_name: str | None = None):
-        self.engine = engine
+        self.llm, self.engine = llm, engine
         self.model_name = served_model_name or llm.model_dir.name
         self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
         self.tokenizer = load_tokenizer(llm.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
+        self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -493,43 +791,50 @@ class OpenAIServing:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def prompt_ids(self, prompt) -> list[int]:
-        "Token ids of a completion prompt: a string, a list of ids, or a list of one of those."
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) > 1:
-                raise APIError(400, f"batched prompts are not supported: got {len(prompt)} prompts; send one "
-                                    "per request", param="prompt", code="unsupported")
-            prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
-        if not ids: raise APIError(400, "the prompt is empty", param="prompt")
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param="prompt")
-        return ids
+    def prompt_ids(self, prompt) -> list[list[int]]:
+        "Token ids of each prompt of a completion: a string, a list of ids, or a batch (a list of either)."
+        batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        out = []
+        for i, p in enumerate(prompt if batch else [prompt]):
+            ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+            if not ids: raise APIError(400, f"prompt[{i}] is empty" if batch else "the prompt is empty", param="prompt")
+            out.append(_ids_in_vocab(ids, self.vocab_size, "prompt"))
+        return out
 
-    def chat_prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
-        "Token ids of a conversation through the model's chat template, with the assistant's turn opened."
-        conv = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)}
-                for m in messages]
+    def chat_prompt_ids(self, conv: list[dict], tools: list[dict] | None = None) -> list[int]:
+        "Token ids of a conversation (and the tools offered) through the model's chat template, the assistant's turn open."
         try:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:        # no template, or the template refuses this conversation
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def sampling_params(self, req: _GenerationRequest, num_prompt_tokens: int, max_tokens: int | None,
-                        max_tokens_name: str, prompt_name: str) -> SamplingParams:
-        "The engine's parameters, after checking the prompt and `max_tokens` against the context."
-        max_tokens = check_room(self.max_model_len, num_prompt_tokens, max_tokens, max_tokens_name, prompt_name)
+    def sampling_params(self, req: _GenerationRequest, prompts: list[list[int]], max_tokens: int | None,
+                        max_tokens_name: str, prompt_name: str, **more) -> SamplingParams:
+        "The engine's parameters, after checking the longest prompt and `max_tokens` against the context."
+        max_tokens = check_room(self.max_model_len, max(map(len, prompts)), max_tokens, max_tokens_name, prompt_name)
+        fields = sampling_fields(req, self.vocab_size) | more
+        if fields["min_tokens"] > max_tokens:
+            raise APIError(400, f"min_tokens ({fields['min_tokens']}) must be <= {max_tokens_name} ({max_tokens})",
+                           param="min_tokens")
+        num_seqs = fields["best_of"] or fields["n"]
+        if num_seqs > self.engine.capacity:
+            raise APIError(400, f"{num_seqs} choices are more than this server runs at once ({self.engine.capacity})",
+                           param="best_of" if fields["best_of"] else "n")
         try:
-            return SamplingParams(max_tokens=max_tokens,
-                                  temperature=1.0 if req.temperature is None else req.temperature,
-                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0),
-                                  seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids or (),
-                                  ignore_eos=req.ignore_eos)
-        except ValueError as e:        # a last net: the schema should have caught it
+            return SamplingParams(max_tokens=max_tokens, **fields)
+        except ValueError as e:        # a last net: the checks above should have caught it
             raise APIError(400, str(e))
+
+    async def compiled(self, asked: tuple[StructuredOutputs, str] | None) -> StructuredOutputs | None:
+        "The structured output asked for, compiled (and cached) off the event loop; a 400 naming what is wrong."
+        if asked is None: return None
+        spec, param = asked
+        try:
+            await asyncio.to_thread(self.llm.grammar_compiler.compile, spec)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param)
+        return spec
 
 # %% ../nbs/17_server.ipynb #5796533e
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -553,29 +858,132 @@ class ResponseShaper:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs=None, tool_calls=None) -> dict:
         if self.kind == "completion":
-            return {**self._head("text_completion"), "usage": usage, "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-        return {**self._head("chat.completion"), "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-             "finish_reason": finish_reason}]}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if tool_calls: message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk(self, text: str = "", finish_reason: str | None = None, first: bool = False) -> dict:
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return {**self._head("text_completion" if self.kind == "completion" else "chat.completion"),
+                "usage": usage, "choices": choices}
+
+    def chunk(self, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0,
+              logprobs=None, tool_calls=None) -> dict:
         if self.kind == "completion":
-            out = {**self._head("text_completion"),
-                   "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            out = {**self._head("text_completion"), "choices": [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
         else:
             # a token chunk always carries "content" (maybe ""); a finish chunk without text carries nothing
             delta = {"role": "assistant", "content": text} if first else \
                 {} if finish_reason is not None and not text else {"content": text}
-            out = {**self._head("chat.completion.chunk"),
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            if tool_calls: delta = {**({"content": text} if text else {}), "tool_calls": tool_calls}
+            out = {**self._head("chat.completion.chunk"), "choices": [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
         return {**out, "usage": None} if self.include_usage else out
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head("text_completion" if self.kind == "completion" else "chat.completion.chunk"),
                 "choices": [], "usage": usage}
+
+# %% ../nbs/17_server.ipynb #c17f0a11
+@dataclass
+class AnswerOptions:
+    "What a request's choices carry besides their text."
+    echo_texts: list[str] | None = None      # completions with echo: each prompt's text, before its choices
+    logprobs: int | None = None              # None: no logprobs; k: each token's and the top k
+    score_only: bool = False                 # max_tokens 0 with echo: the one generated token is dropped
+    tools: bool = False                      # tool calls are parsed out of the text
+
+
+@dataclass(eq=False)
+class _Choice:
+    "One choice as its outputs arrive."
+    index: int
+    texts: list[str] = field(default_factory=list)
+    pairs: list = field(default_factory=list)        # (token id, TokenLogprob or None)
+    offsets: _Offsets = field(default_factory=_Offsets)
+    tool_stream: ToolCallStream | None = None
+    num_calls: int = 0
+    started: bool = False
+    last: RequestOutput | None = None                # the latest output
+
+
+def _finish_reason(out: RequestOutput, options: AnswerOptions, made_calls: bool) -> str:
+    "OpenAI's finish reason: stop, length or tool_calls; an abort (the server is shutting down) is an error."
+    if out.finish_reason == "abort":
+        raise APIError(503, "the server is shutting down: the request was aborted", code="unavailable")
+    if options.score_only: return "length"
+    return "tool_calls" if made_calls and out.finish_reason == "stop" else out.finish_reason
+
+
+def _wire_calls(calls: list[dict], start: int | None = None) -> list[dict]:
+    "Parsed calls as OpenAI's tool_calls (with `index` from `start` when streamed)."
+    return [{**({} if start is None else {"index": start + i}), "id": f"call_{uuid.uuid4().hex[:24]}",
+             "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for i, c in enumerate(calls)]
+
+# %% ../nbs/17_server.ipynb #c17f0a13
+class Answer:
+    "The choices of one request (choice i * n + j is prompt i's choice j) as outputs arrive: chunks, or the whole."
+
+    def __init__(self, tt: TokenText, shaper: ResponseShaper, prompts: list[list[int]], n: int, options: AnswerOptions):
+        self.tt, self.shaper, self.prompts, self.n, self.options = tt, shaper, prompts, n, options
+        self.choices: dict[int, _Choice] = {}
+        self.num_tokens = 0                          # completion tokens, over all choices
+
+    def add(self, prompt_i: int, out: RequestOutput) -> tuple[_Choice, str, list]:
+        "Take `out` in: its choice, and what it adds to it (text, logprob pairs)."
+        o, i = self.options, prompt_i * self.n + out.index
+        if i not in self.choices: self.choices[i] = _Choice(i, tool_stream=ToolCallStream() if o.tools else None)
+        c = self.choices[i]
+        text, pairs = "", []
+        if not c.started and o.echo_texts is not None:
+            text, ids = o.echo_texts[prompt_i], self.prompts[prompt_i]
+            if o.logprobs is not None: pairs = list(zip(ids, out.prompt_logprobs or [None] * len(ids)))
+        c.started = True
+        if not o.score_only:
+            text += out.new_text
+            self.num_tokens += len(out.new_token_ids)
+            if o.logprobs is not None and out.new_token_ids:
+                pairs += [(e.token_id, e) for e in out.logprobs[-len(out.new_token_ids):]]
+        c.texts.append(text); c.pairs += pairs; c.last = out
+        return c, text, pairs
+
+    def _logprobs(self, c: _Choice, pairs: list):
+        if self.options.logprobs is None: return None
+        if self.shaper.kind == "completion": return completion_logprobs(self.tt, pairs, c.offsets)
+        return chat_logprobs(self.tt, [e for _, e in pairs], self.options.logprobs)
+
+    def chunks(self, prompt_i: int, out: RequestOutput) -> list[dict]:
+        "The stream chunks `out` makes: its tokens (text or not) and, when its choice ends, the finish."
+        c, text, pairs = self.add(prompt_i, out)
+        calls = []
+        if c.tool_stream is not None:
+            text, calls = c.tool_stream.feed(text)
+            if out.finished:
+                rest, more = c.tool_stream.flush()
+                text, calls = text + rest, calls + more
+        wire, c.num_calls = _wire_calls(calls, start=c.num_calls), c.num_calls + len(calls)
+        chunks = []
+        if text or out.new_token_ids or pairs:
+            chunks.append(self.shaper.chunk(text, index=c.index, logprobs=self._logprobs(c, pairs), tool_calls=wire))
+        if out.finished:
+            chunks.append(self.shaper.chunk(finish_reason=_finish_reason(out, self.options, c.num_calls > 0),
+                                            index=c.index))
+        return chunks
+
+    def final(self) -> list[dict]:
+        "The whole choices, once every output is in."
+        out = []
+        for i in sorted(self.choices):
+            c = self.choices[i]
+            text, calls = "".join(c.texts), []
+            if self.options.tools: text, calls = parse_tool_calls(text)
+            reason = _finish_reason(c.last, self.options, bool(calls))
+            out.append(self.shaper.choice(i, text, reason, self._logprobs(c, c.pairs), _wire_calls(calls) or None))
+        return out
 
 # %% ../nbs/17_server.ipynb #a77c9967
 class _StreamingResponse(StreamingResponse):
@@ -594,33 +1002,36 @@ async def _until_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect": pass
 
 # %% ../nbs/17_server.ipynb #47408c19
-async def _event_stream(engine: EngineThread, stream: RequestStream, shaper: ResponseShaper, n_prompt: int):
-    "The server-sent events of one streamed answer: a chunk per step with tokens, the finish, the usage, [DONE]."
+async def _event_stream(engine: EngineThread, streams: list[RequestStream], answer: Answer, num_prompt_tokens: int):
+    "The server-sent events of one streamed answer: chunks per step per choice, the finishes, the usage, [DONE]."
+    shaper = answer.shaper
     try:
-        if shaper.kind == "chat": yield sse(shaper.chunk(first=True))
-        async for out in engine.outputs(stream):
-            if out.new_token_ids: yield sse(shaper.chunk(out.new_text))   # a chunk per step with tokens, text or not
-            if out.finished: yield sse(shaper.chunk(finish_reason=out.finish_reason))
-        if shaper.include_usage: yield sse(shaper.usage_chunk(usage(n_prompt, stream.num_output_tokens)))
-    except APIError as e:
+        if shaper.kind == "chat":
+            for i in range(len(streams) * answer.n): yield sse(shaper.chunk(first=True, index=i))
+        async for prompt_i, out in engine.outputs(streams):
+            for chunk in answer.chunks(prompt_i, out): yield sse(chunk)
+        if shaper.include_usage: yield sse(shaper.usage_chunk(usage(num_prompt_tokens, answer.num_tokens)))
+    except APIError as e:              # the status is sent already: the error is an event of the stream
         yield sse(e.body())
     yield sse("[DONE]")
 
 # %% ../nbs/17_server.ipynb #8343d1e8
 async def generate_response(serving: OpenAIServing, request: Request, shaper: ResponseShaper, stream_it: bool,
-                            ids: list[int], params: SamplingParams) -> Response | dict:
-    "Submit one validated request and answer it, streamed or whole."
+                            prompts: list[list[int]], params: SamplingParams, options: AnswerOptions
+                            ) -> Response | dict:
+    "Submit one validated request (its prompts, n choices each) and answer it, streamed or whole."
     engine = serving.engine
-    stream = engine.submit(ids, params)
-    n_prompt = len(ids)
-    if stream_it:
-        return _StreamingResponse(_event_stream(engine, stream, shaper, n_prompt), on_close=lambda: engine.abort(stream))
+    streams = engine.submit(prompts, params)
+    answer = Answer(serving.token_text, shaper, prompts, params.n, options)
+    num_prompt_tokens = sum(map(len, prompts))
 
-    async def collect() -> RequestOutput:
-        texts, last = [], None
-        async for last in engine.outputs(stream): texts.append(last.new_text)
-        last.text = "".join(texts)
-        return last
+    def abort_all():
+        for s in streams: engine.abort(s)
+    if stream_it:
+        return _StreamingResponse(_event_stream(engine, streams, answer, num_prompt_tokens), on_close=abort_all)
+
+    async def collect() -> None:
+        async for prompt_i, out in engine.outputs(streams): answer.add(prompt_i, out)
     work = asyncio.ensure_future(collect())
     watch = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
@@ -628,23 +1039,28 @@ async def generate_response(serving: OpenAIServing, request: Request, shaper: Re
     finally:
         watch.cancel()
         if not work.done(): work.cancel()
-        engine.abort(stream)
+        abort_all()
     if not work.done() or work.cancelled():    # the client went away first; nobody reads this
         return Response(status_code=499)
-    out = work.result()
-    return shaper.response(out.text, out.finish_reason, usage(n_prompt, stream.num_output_tokens))
+    work.result()                              # an engine error, raised as it came
+    return shaper.response(answer.final(), usage(num_prompt_tokens, answer.num_tokens))
 
 # %% ../nbs/17_server.ipynb #f0f25e7f
 class _BodyTooLarge(StarletteHTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
 
+
+class _BodyTimeout(StarletteHTTPException):
+    def __init__(self, seconds: float):       # the connection is closed after the answer: its state is unknown
+        super().__init__(408, f"the request body did not arrive within {seconds:g} s", headers={"Connection": "close"})
+
 # %% ../nbs/17_server.ipynb #f0f83ba2
 class _Guard:
-    "ASGI middleware: the API key on /v1/* (401) and the body size limit (413), before any route runs."
+    "ASGI middleware: the API key on /v1/* (401), the body size limit (413) and the body's deadline (408)."
 
-    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20, body_timeout: float = 30.0):
+        self.app, self.api_key, self.max_body_bytes, self.body_timeout = app, api_key, max_body_bytes, body_timeout
 
     def _authorized(self, header: str | None) -> bool:
         scheme, _, key = (header or "").partition(" ")
@@ -662,14 +1078,19 @@ class _Guard:
             error = APIError(413, f"the request body has {length} bytes; the limit is {self.max_body_bytes}",
                              code="request_too_large")
             return await error.response()(scope, receive, send)
-        received = 0
+        received, body_done, deadline = 0, False, time.monotonic() + self.body_timeout
 
         async def counted():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done: return await receive()          # after the body: only a disconnect can come
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise _BodyTimeout(self.body_timeout) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes: raise _BodyTooLarge(self.max_body_bytes)
+                body_done = not message.get("more_body", False)
             return message
         await self.app(scope, counted, send)
 
@@ -687,9 +1108,10 @@ class ErrorResponse(BaseModel):
 
 # %% ../nbs/17_server.ipynb #4adc8a75
 def _documented(*statuses: int) -> dict:
-    what = {400: "invalid request: malformed JSON, wrong types, missing fields, values out of range or context",
-            401: "missing or wrong API key", 404: "unknown model", 413: "request body too large",
-            503: "overloaded (see Retry-After) or shutting down"}
+    what = {400: "invalid request: malformed JSON, unknown fields, wrong types, missing fields, values out of range "
+                 "or context, refused options", 401: "missing or wrong API key", 404: "unknown model",
+            408: "the body did not arrive in time", 413: "request body too large",
+            503: "overloaded (see Retry-After), shutting down, or aborted at shutdown"}
     return {s: {"model": ErrorResponse, "description": what[s]} for s in statuses}
 
 
@@ -717,7 +1139,7 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse: return e.re
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     message = {404: f"no such route: {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, e.detail)
-    code = {413: "request_too_large"}.get(e.status_code)
+    code = {408: "request_timeout", 413: "request_too_large"}.get(e.status_code)
     return APIError(e.status_code, str(message), code=code, headers=dict(e.headers or {})).response()
 
 # %% ../nbs/17_server.ipynb #a0c84308
@@ -730,44 +1152,73 @@ async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
     return APIError(500, f"internal server error ({type(e).__name__})").response()
 
 # %% ../nbs/17_server.ipynb #4b38ae1d
+def _echo_texts(serving: OpenAIServing, prompt, prompts: list[list[int]]) -> list[str]:
+    "Each prompt's text as echo returns it: as sent, or decoded from its token ids."
+    sent = [prompt] if isinstance(prompt, str) else prompt if prompt and isinstance(prompt[0], str) else None
+    return sent or [serving.tokenizer.decode(ids) for ids in prompts]
+
+
 def _completions_route(app: FastAPI, serving: OpenAIServing) -> None:
     "`POST /v1/completions`: check, submit, answer."
-    @app.post("/v1/completions", responses={**_GENERATED, **_documented(400, 401, 404, 413, 503)})
+    @app.post("/v1/completions", responses={**_GENERATED, **_documented(400, 401, 404, 408, 413, 503)})
     async def completions(body: CompletionRequest, request: Request):
-        "Continue a prompt (a string or token ids)."
-        serving.check_model(body.model)
+        "Continue a prompt (a string or token ids), or a batch of them."
         refuse_unsupported(body)
-        ids = serving.prompt_ids(body.prompt)
-        params = serving.sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
-                                         "max_tokens", "prompt")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shaper = ResponseShaper("completion", serving.model_name, include_usage)
-        return await generate_response(serving, request, shaper, body.stream, ids, params)
+        serving.check_model(body.model)
+        prompts = serving.prompt_ids(body.prompt)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
+        k, spec = body.logprobs, await serving.compiled(structured_spec(body))
+        params = serving.sampling_params(body, prompts, max(max_tokens, 1), "max_tokens", "prompt", logprobs=k,
+                                         prompt_logprobs=k if body.echo else None, structured_outputs=spec)
+        options = AnswerOptions(echo_texts=_echo_texts(serving, body.prompt, prompts) if body.echo else None,
+                                logprobs=k, score_only=max_tokens == 0)
+        shaper = ResponseShaper("completion", serving.model_name, bool(body.stream_options and body.stream_options.include_usage))
+        return await generate_response(serving, request, shaper, body.stream, prompts, params, options)
 
 # %% ../nbs/17_server.ipynb #8e28ee00
 def _chat_route(app: FastAPI, serving: OpenAIServing) -> None:
-    "`POST /v1/chat/completions`: the conversation through the chat template, then as a completion."
-    @app.post("/v1/chat/completions", responses={**_GENERATED, **_documented(400, 401, 404, 413, 503)})
+    "`POST /v1/chat/completions`: the conversation (and tools) through the chat template, then as a completion."
+    @app.post("/v1/chat/completions", responses={**_GENERATED, **_documented(400, 401, 404, 408, 413, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        "Answer a conversation, through the model's chat template."
-        serving.check_model(body.model)
+        "Answer a conversation, through the model's chat template; call tools when offered."
         refuse_unsupported(body)
-        ids = serving.chat_prompt_ids(body.messages)
+        serving.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        tools, choice = tool_mode(body)
+        ids = serving.chat_prompt_ids(chat_conversation(body.messages), tools)
+        try:
+            tool_spec = tool_call_outputs(tools, choice, body.parallel_tool_calls is not False) if tools else None
+        except ValueError as e:
+            raise APIError(400, f"tools: {e}", param="tools")
+        spec = await serving.compiled(structured_spec(body, tool_spec))
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = serving.sampling_params(body, len(ids), max_tokens, name, "messages")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shaper = ResponseShaper("chat", serving.model_name, include_usage)
-        return await generate_response(serving, request, shaper, body.stream, ids, params)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = serving.sampling_params(body, [ids], body.max_completion_tokens or body.max_tokens, name, "messages",
+                                         logprobs=k, structured_outputs=spec)
+        shaper = ResponseShaper("chat", serving.model_name, bool(body.stream_options and body.stream_options.include_usage))
+        options = AnswerOptions(logprobs=k, tools=tools is not None)
+        return await generate_response(serving, request, shaper, body.stream, [ids], params, options)
 
 # %% ../nbs/17_server.ipynb #a669e744
 def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread) -> None:
-    "`GET /v1/models`, `/health` and `/metrics`."
+    "`GET /v1/models`, `/v1/models/{id}`, `/health` and `/metrics`."
+    def card() -> dict:
+        return {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "nanoserve",
+                "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models", responses=_documented(401))
     async def models():
         "The one model this server serves."
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
-                                            "owned_by": "nanoserve", "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_documented(401, 404))
+    async def model(model_id: str):
+        "The served model, by its name (404 for any other)."
+        serving.check_model(model_id)
+        return card()
 
     @app.get("/health", responses={503: {"model": ErrorResponse, "description": "the engine is not running"}})
     async def health():
@@ -782,7 +1233,7 @@ def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread) -> 
 
 # %% ../nbs/17_server.ipynb #7a269dc5
 def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = 4096, max_body_bytes: int = 1 << 20) -> FastAPI:
+              max_waiting: int = 4096, max_body_bytes: int = 1 << 20, body_timeout: float = 30.0) -> FastAPI:
     "The OpenAI-compatible app over `llm`; its engine thread runs while the app is served."
     engine = EngineThread(llm, ServerMetrics(llm.num_kv_blocks), max_waiting)
     serving = OpenAIServing(llm, engine, served_model_name)
@@ -797,7 +1248,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible server for Qwen2 models, written from scratch.")
     app.state.serving = serving
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -876,6 +1327,8 @@ def _engine_args(e) -> None:
     e.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
+    e.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: the engine picks one per two usable cores, at most 8)")
     e.add_argument("--seed", type=int, default=0)
 
 # %% ../nbs/17_server.ipynb #8933fee8
@@ -884,12 +1337,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve a Qwen2 model over an OpenAI-compatible HTTP API.")
     p.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder's name)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (others than loopback: "
+                                                       "set --api-key)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                                                    "(default: $NANOSERVE_API_KEY; none: open)")
-    p.add_argument("--max-waiting", type=int, default=4096, help="waiting requests beyond which new ones get 503")
+    p.add_argument("--max-waiting", type=int, default=4096,
+                   help="sequences waiting beyond --max-num-seqs running, past which new requests get 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; slower ones get 408 and are disconnected")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds running requests may finish at shutdown before they are aborted")
     _engine_args(p.add_argument_group("engine"))
@@ -904,8 +1361,28 @@ def check_serve_args(args) -> None:
     if not 0 <= args.port <= 65535: problems.append(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 0: problems.append(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.max_body_bytes < 1: problems.append(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if not args.body_timeout > 0: problems.append(f"--body-timeout must be > 0, got {args.body_timeout}")
     if not args.shutdown_grace >= 0: problems.append(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if args.threads is not None and args.threads < 1: problems.append(f"--threads must be >= 1, got {args.threads}")
     if problems: raise ValueError("; ".join(problems))
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    "A warning when the server would listen beyond this machine with no API key."
+    if api_key: return None
+    try: loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError: loopback = host == "localhost"
+    return None if loopback else (f"nanoserve serve: warning: listening on {host} with no --api-key: anyone who "
+                                  "can reach this address can use the model")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    "Listen on (host, port) now, before the model loads, so that a busy port fails at once (OSError)."
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try: sock.bind((host, port))
+    except OSError: sock.close(); raise
+    return sock
 
 # %% ../nbs/17_server.ipynb #4baf64af
 def engine_from_args(args) -> LLM:
@@ -919,7 +1396,8 @@ def engine_from_args(args) -> LLM:
                pdl=False if args.no_pdl else None,
                async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
                show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-               quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True)
+               quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
+               num_threads=args.threads)
 
 # %% ../nbs/17_server.ipynb #c13808c3
 def main(argv: list[str] | None = None) -> int:
@@ -928,17 +1406,25 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get("NANOSERVE_API_KEY") or None
     try:
         check_serve_args(args)
+        sock = bind_socket(args.host, args.port)      # before the model loads: a busy port fails at once
+    except (ValueError, OSError) as e:
+        where = f"cannot listen on {args.host}:{args.port}: " if isinstance(e, OSError) else ""
+        print(f"nanoserve serve: error: {where}{getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    if (warning := exposure_warning(args.host, api_key)): print(warning, file=sys.stderr)
+    try:
         llm = engine_from_args(args)
         app = build_app(llm, served_model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
     except (ValueError, FileNotFoundError) as e:
+        sock.close()
         print(f"nanoserve serve: error: {e}", file=sys.stderr)
         return 2
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 10)
     server = GracefulServer(config, app.state.serving.engine, args.shutdown_grace)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:      # uvicorn raises the Ctrl+C again once it has shut down cleanly
         pass
     finally:
