@@ -511,14 +511,11 @@ def _pack(self: EngineStep, step: Step):
     return x, plan
 
 
-def _fill_rows(pairs: list, bitmask: torch.Tensor) -> None:
-    for row, matcher in pairs: matcher.fill_bitmask(bitmask, row)
-
-
 def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
     "The grammar bitmask of the step's sampled rows, or None (no constrained row)."
     if not self._num_constrained: return None
-    return grammar_bitmask(step, self._requests, self.grammar_compiler.bitmask_width, _fill_rows,
+    grammars = self.grammar_compiler             # its `fill_bitmasks`: every row at once, on llguidance's threads
+    return grammar_bitmask(step, self._requests, grammars.bitmask_width, grammars.fill_bitmasks,
                            pin=self.device.type == "cuda")
 
 EngineStep._sampling, EngineStep._pack, EngineStep._bitmask = _sampling, _pack, _bitmask

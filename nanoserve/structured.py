@@ -23,8 +23,8 @@ except ImportError:
 
 # %% auto #0
 __all__ = ['TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'StructuredOutputs', 'grammar_text', 'll_tokenizer', 'GrammarMatcher',
-           'CompiledGrammar', 'GrammarCompiler', 'apply_bitmask_ref', 'check_tools', 'tool_call_outputs',
-           'ToolCallStream', 'parse_tool_calls']
+           'CompiledGrammar', 'GrammarCompiler', 'fill_bitmasks', 'apply_bitmask_ref', 'check_tools',
+           'tool_call_outputs', 'ToolCallStream', 'parse_tool_calls']
 
 # %% ../nbs/10a_structured.ipynb #0496ff02
 def _canonical_schema(schema) -> str:
@@ -185,6 +185,7 @@ class GrammarCompiler:
         self.eos_token_ids = None if eos_token_ids is None else tuple(eos_token_ids)
         self.bitmask_width = math.ceil(vocab_size / 32)
         self._ll, self._cache, self._lock = None, OrderedDict(), threading.Lock()
+        self._executor = None                                  # llguidance's thread pool, for `fill_bitmasks`
         self.num_hits = self.num_misses = 0
 
     def _ll_tokenizer(self):
@@ -215,6 +216,24 @@ class GrammarCompiler:
 
     def __len__(self): return len(self._cache)
     def __repr__(self): return f"GrammarCompiler(vocab_size={self.vocab_size}, cached={len(self)}/{self.cache_size})"
+
+# %% ../nbs/10a_structured.ipynb #404b2e67
+def fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor) -> None:
+    "Fill row `row` of `bitmask` (int32 CPU [S, bitmask_width]) for every (row, matcher) pair, in parallel."
+    if not pairs: return
+    first = pairs[0][1]
+    num_words, last_bits = first._num_words, first._last_word_bits
+    with self._lock:
+        if self._executor is None: self._executor = llguidance.LLExecutor()
+    narrow = torch.empty(len(pairs), num_words, dtype=torch.int32)                     # [P, tokenizer words]
+    self._executor.unsafe_compute_mask_ptr([(m._m, i) for i, (_, m) in enumerate(pairs)], narrow.data_ptr(),
+                                           num_words * 4, len(pairs))
+    if last_bits: narrow[:, -1] &= (1 << last_bits) - 1
+    rows = torch.tensor([row for row, _ in pairs])
+    bitmask[rows, :num_words] = narrow
+    bitmask[rows, num_words:] = 0
+
+GrammarCompiler.fill_bitmasks = fill_bitmasks
 
 # %% ../nbs/10a_structured.ipynb #326fa833
 def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
