@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,15 +27,15 @@ from .structured import StructuredOutputs, ToolCallStream, parse_tool_calls, too
 from .tokenizer import load_tokenizer
 
 # %% auto #0
-__all__ = ['JsonInt', 'NonEmptyStr', 'TokenId', 'Bias', 'IGNORED', 'APIError', 'StreamOptions', 'JsonSchemaFormat',
-           'ResponseFormat', 'StructuredOutputsField', 'CompletionRequest', 'TextPart', 'ToolCallFunction', 'ToolCall',
-           'ChatMessage', 'FunctionDef', 'Tool', 'NamedToolChoice', 'ChatCompletionRequest',
-           'describe_validation_error', 'Histogram', 'ServerMetrics', 'render_metrics', 'RequestStream', 'EngineThread',
-           'find_surrogate', 'refuse_unsupported', 'parse_logit_bias', 'sampling_fields', 'chat_conversation',
-           'tool_mode', 'structured_spec', 'check_room', 'TokenText', 'completion_logprobs', 'chat_logprobs',
-           'OpenAIServing', 'usage', 'sse', 'ResponseShaper', 'AnswerOptions', 'Answer', 'generate_response',
-           'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer', 'ServerThread', 'build_parser',
-           'check_serve_args', 'exposure_warning', 'bind_socket', 'engine_from_args', 'main']
+__all__ = ['JsonInt', 'NonEmptyStr', 'TokenId', 'Bias', 'BiasKey', 'IGNORED', 'APIError', 'Refused', 'StreamOptions',
+           'JsonSchemaFormat', 'ResponseFormat', 'StructuredOutputsField', 'CompletionRequest', 'TextPart',
+           'ToolCallFunction', 'ToolCall', 'ChatMessage', 'FunctionDef', 'Tool', 'NamedToolChoice',
+           'ChatCompletionRequest', 'describe_validation_error', 'Histogram', 'ServerMetrics', 'render_metrics',
+           'RequestStream', 'EngineThread', 'find_surrogate', 'refuse_unsupported', 'parse_logit_bias',
+           'sampling_fields', 'chat_conversation', 'tool_mode', 'structured_spec', 'check_room', 'TokenText',
+           'completion_logprobs', 'chat_logprobs', 'OpenAIServing', 'usage', 'sse', 'ResponseShaper', 'AnswerOptions',
+           'Answer', 'generate_response', 'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer', 'ServerThread',
+           'build_parser', 'check_serve_args', 'exposure_warning', 'bind_socket', 'engine_from_args', 'main']
 
 # %% ../nbs/17_server.ipynb #1bc0742b
 def _printable(s: str | None) -> str | None:
@@ -70,7 +70,13 @@ JsonInt = Annotated[int, BeforeValidator(_integral)]          # 2 and 2.0, not 2
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 TokenId = Annotated[JsonInt, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
+BiasKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,12}$")]      # a token id, as a string
 IGNORED = "accepted and ignored"
+
+
+def Refused(kind, what: str):
+    "A field refused when set: the schema says null only; the server's 400 says why (`refuse_unsupported`)."
+    return Annotated[kind | None, WithJsonSchema({"type": "null", "description": f"refused when set: {what}"})]
 
 
 class StreamOptions(_Strict):
@@ -113,7 +119,7 @@ class _GenerationRequest(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted from tokens already generated")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="times each generated token's count")
     repetition_penalty: float | None = Field(None, gt=0, description="vLLM's: > 1 discourages prompt and output tokens")
-    logit_bias: dict[str, Bias] | None = Field(None, description='token id (a string, "42") -> bias added to its logit')
+    logit_bias: dict[BiasKey, Bias] | None = Field(None, description='token id (a string, "42") -> bias added to its logit')
     min_tokens: JsonInt | None = Field(None, ge=0, description="no end of sequence or stop before this many (vLLM's)")
     stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, description="end before any of these strings")
     stop_token_ids: list[TokenId] | None = Field(None, description="end with any of these token ids")
@@ -142,7 +148,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: JsonInt | None = Field(None, ge=0, le=5, description="each token's logprob and the top k alternatives")
     best_of: JsonInt | None = Field(None, ge=1, le=128, description="draw best_of choices, return the n most likely "
                                                                     "(not with stream)")
-    suffix: str | None = Field(None, description="refused: inserting text is not supported")
+    suffix: Refused(str, "inserting text is not supported") = None
 
 # %% ../nbs/17_server.ipynb #3bb97be2
 class TextPart(_Strict):
@@ -206,8 +212,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="auto (the default with tools), none, required, or a named function")
     parallel_tool_calls: bool | None = Field(None, description="false: a required or named call is one call")
-    functions: list[dict[str, Any]] | None = Field(None, description="deprecated: refused, send tools")
-    function_call: str | dict[str, Any] | None = Field(None, description="deprecated: refused, send tool_choice")
+    functions: Refused(list[dict[str, Any]], "deprecated, send tools") = None
+    function_call: Refused(str | dict[str, Any], "deprecated, send tool_choice") = None
     prediction: dict[str, Any] | None = Field(None, description=IGNORED + " (a hint for speed; the answer is the same)")
 
 # %% ../nbs/17_server.ipynb #7d65fa2a
@@ -256,11 +262,14 @@ def describe_validation_error(errors: list[dict], content_type: str | None = "ap
     for x in loc:
         if _is_union_tag(x) and not (e["type"] == "extra_forbidden" and x is loc[-1]): break
         path.append(x)
+    name = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in path).lstrip(".")
+    if e["type"] == "string_unicode":    # JSON can spell a lone UTF-16 surrogate ("\ud800"); it is not Unicode
+        return (f"{repr(name) if path else 'a field name'} holds a lone UTF-16 surrogate, which is not valid "
+                "Unicode text"), (str(path[0]) if path else None)
     if not path:
         if "json" not in (content_type or ""):
             return "the body must be a JSON object sent with 'Content-Type: application/json'", None
         return "the body must be a JSON object", None
-    name = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in path).lstrip(".")
     last = next((x for x in reversed(path) if isinstance(x, str)), path[0])
     if e["type"] == "extra_forbidden": message = _unknown_field(name, last)
     elif e["type"] == "missing": message = f"'{name}' is required"
@@ -444,8 +453,8 @@ def _fail_everyone(llm: LLM, rid_of: dict, stream_of: dict, inbox: queue.SimpleQ
     return batch
 
 # %% ../nbs/17_server.ipynb #d32a20f9
-class _EngineLoop:
-    "The engine thread's side of `EngineThread`: the loop that owns the `LLM`, and delivery onto the event loop."
+class _EngineState:
+    "What the engine thread and the event loop share: the `LLM`, the inbox, the live streams, the metrics."
 
     def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_waiting: int = 4096):
         self.llm, self.max_waiting = llm, max_waiting
@@ -480,6 +489,10 @@ class _EngineLoop:
         if stream in self._live:
             self._live.discard(stream)
             self._num_live_seqs -= stream.num_seqs
+
+# %% ../nbs/17_server.ipynb #c17f0a15
+class _EngineLoop(_EngineState):
+    "The engine thread's side of `EngineThread`: the loop that owns the `LLM`, and delivery onto the event loop."
 
     def _run(self) -> None:
         llm, rid_of, stream_of = self.llm, {}, {}        # stream -> request id, request id -> stream
@@ -778,13 +791,11 @@ class OpenAIServing:
     "What the routes share: the engine thread, the model's name and limits, the event loop's own tokenizer."
 
     def __init__(self, llm: LLM, engine: EngineThread, served_model_name: str | None = None):
-        self.llm, self.engine = llm, engine
-        self.model_name = served_model_name or llm.model_dir.name
+        self.llm, self.engine, self.model_name = llm, engine, served_model_name or llm.model_dir.name
         self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
         self.tokenizer = load_tokenizer(llm.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
-        self.token_text = TokenText(self.tokenizer)
-        self.created = int(time.time())
+        self.token_text, self.created = TokenText(self.tokenizer), int(time.time())
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -1127,8 +1138,9 @@ def _openapi(app: FastAPI) -> dict:
             for op in ops.values(): op.get("responses", {}).pop("422", None)
         schemas = schema["components"]["schemas"]
         for name in ("HTTPValidationError", "ValidationError"): schemas.pop(name, None)
-        for name in ("CompletionRequest", "ChatCompletionRequest"):
-            schemas[name]["properties"]["model"]["enum"] = [app.state.serving.model_name]
+        name = app.state.serving.model_name
+        for request in ("CompletionRequest", "ChatCompletionRequest"): schemas[request]["properties"]["model"]["enum"] = [name]
+        schema["paths"]["/v1/models/{model_id}"]["get"]["parameters"][0]["schema"]["enum"] = [name]
         app.openapi_schema = schema
     return app.openapi_schema
 
