@@ -1,13 +1,14 @@
 """nanoserve.server over real HTTP: server processes on free loopback ports (`--port 0`, the address read from the
 line the server prints), the built-in tiny model built into a NANOSERVE_CACHE made for this module.
 
-Three servers, each shaped for its tests:
+Four servers, each shaped for its tests:
 - `server`: the API key from NANOSERVE_API_KEY, 256 sequences at once, a 64 KiB body limit. The official `openai`
   client (sync and async, completions and chat, streamed and not), 1,000 concurrent streams, disconnects, and
   every bad input with its status and message.
 - `fuzz_server`: no API key, a 128-token context so that everything schemathesis sends finishes in milliseconds.
 - `small_server` (started with the `nanoserve serve` console script, key from --api-key): one sequence at once
   and one waiting, for the full queue (503) and a shutdown with requests in flight.
+- `edge_server`: 4 sequences at once and 5 waiting (9 of 30 simultaneous requests taken), a 1 s body timeout.
 
 The server processes run torch on one thread (OMP_NUM_THREADS=1): the model is tiny, and the test process
 needs the second core for its clients.
