@@ -16,7 +16,7 @@ from .fused import argmax_rows
 __all__ = ['hash_uniform', 'LogitsProcessors', 'apply_penalties', 'apply_bias', 'apply_bitmask', 'process_logits', 'apply_min_p',
            'SamplingMetadata', 'sample', 'token_logprobs', 'unpack_logprobs']
 
-# %% ../nbs/09a_sampler.ipynb #704425f8
+# %% ../nbs/09a_sampler.ipynb #bf49c9c3
 def _i64(x: int) -> int: return x - (1 << 64) if x >= 1 << 63 else x
 _GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
 
@@ -31,7 +31,7 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) ->
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2
     x = x ^ _shr(x, 31)
-    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))   # 23 bits: (2^23 - 0.5) / 2^23 is < 1 in fp32
 
 # %% ../nbs/09a_sampler.ipynb #40b7d672
 def _argmax(x: torch.Tensor, fast: bool = True) -> torch.Tensor:

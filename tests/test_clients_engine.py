@@ -199,3 +199,21 @@ def test_abort_a_forked_request(engines):
     e.step(); e.step()
     assert e.abort_request(rid) and not e.abort_request(rid)
     assert_all_free(e)
+
+
+def test_grammar_holds_when_the_vocab_outgrows_the_tokenizer(tmp_path):
+    """The model's vocabulary (151,936, Qwen2.5's) far past the tokenizer's 3,072: every sampled token stays inside
+    the grammar. (The sampler's noise once reached u = 1.0 in fp32: infinite Gumbel noise against a -inf logit is a
+    NaN, which the arg-max picked, about once per hundred rows at this vocabulary.)"""
+    src = build_tokenizer_source(tmp_path / "tokenizer")
+    make_checkpoint(tmp_path / "m", seed=1, tokenizer_from=src, vocab_size=151936)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    spec = StructuredOutputs(json=schema)
+    llm = LLM(tmp_path / "m", dtype="float32", device="cpu", max_num_seqs=16, max_num_batched_tokens=128)
+    outs = llm.generate([random_prompt(12, 3072, seed=i) for i in range(16)],
+                        SamplingParams(max_tokens=30, temperature=1.0, seed=4, structured_outputs=spec))
+    grammar = llm.grammar_compiler.compile(spec)
+    for o in outs:
+        m = grammar.matcher()
+        assert all(m.accept(t) for t in o.token_ids if t not in llm.eos_token_ids), o.text
