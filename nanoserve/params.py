@@ -5,6 +5,7 @@
 # %% ../nbs/11a_params.ipynb #1ae00a20
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass, field
 
@@ -158,7 +159,8 @@ class Choice:
     index: int = 0
     matcher: object | None = None            # a `GrammarMatcher` (structured outputs)
     needs_logprob: bool = False              # best_of ranks choices by their cumulative logprob
-    prompt_set: list[int] | None = None      # the prompt's distinct tokens, for a repetition penalty
+    prompt_set: array.array | None = None    # the prompt's distinct tokens, for a repetition penalty
+    output_arr: array.array = field(default_factory=lambda: array.array("q"))   # a penalised choice's kept tokens
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list | None = None      # [None, ...]: the choice that scores the prompt
     num_prompt_asked: int = 0                # prompt positions asked to be scored (steps in flight included)
@@ -187,20 +189,23 @@ def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index
                scores_prompt: bool = False, cls: type = Choice, **fields) -> Choice:
     "A choice (of class `cls`, with `fields`), with the state its parameters need made up front."
     c = cls(seq, params, sampling_row, index, matcher, needs_logprob=params.num_choices > params.n, **fields)
-    if params.repetition_penalty != 1: c.prompt_set = sorted(set(seq.prompt_token_ids))
+    if params.repetition_penalty != 1: c.prompt_set = array.array("q", sorted(set(seq.prompt_token_ids)))
     if params.logprobs is not None: c.logprobs = []
     if scores_prompt and params.prompt_logprobs is not None: c.prompt_logprobs = [None]
     return c
 
 # %% ../nbs/11a_params.ipynb #7267e00a
 def _penalties(e: SamplingExtras, sampled: list[Choice]) -> None:
+    "Penalties per row; each penalised row's output (its kept tokens as one array copy, then any in flight)."
     if not any(c.penalised for c in sampled): return
     e.penalties = [(c.params.presence_penalty, c.params.frequency_penalty, c.params.repetition_penalty) for c in sampled]
-    for j, c in enumerate(sampled):
-        if not c.penalised: continue
-        out = c.seq.output_token_ids
-        e.output_rows += [j] * len(out); e.output_ids += out
-        if c.prompt_set: e.prompt_rows += [j] * len(c.prompt_set); e.prompt_ids += c.prompt_set
+    for c in sampled:
+        kept = c.output_arr if c.penalised else ()
+        tail = c.seq.output_token_ids[len(kept):] if c.penalised else ()
+        e.output_ids.extend(kept); e.output_ids.extend(tail)
+        e.output_counts.append(len(kept) + len(tail))
+        prompt = c.prompt_set if c.penalised and c.prompt_set is not None else ()
+        e.prompt_ids.extend(prompt); e.prompt_counts.append(len(prompt))
 
 
 def _bias(e: SamplingExtras, sampled: list[Choice]) -> None:
@@ -244,6 +249,7 @@ def step_extras(step: Step, choices: dict) -> tuple[SamplingExtras | None, list]
 # %% ../nbs/11a_params.ipynb #33603788
 def record_token(c: Choice, token: int, lp: tuple | None) -> None:
     "A token the scheduler kept for `c`, with its (logprob, rank, top) when the step computed them."
+    if c.penalised: c.output_arr.append(token)
     if lp is not None and c.num_logprobs >= 0:
         logprob, rank, top = lp
         c.cumulative_logprob += logprob

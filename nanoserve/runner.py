@@ -232,10 +232,11 @@ def add_feeds(x: StepInputs, step: Step) -> StepInputs:
 class SamplingExtras:
     "What some sampled rows of a step ask beyond the draw, as host lists (the engine fills it)."
     penalties: list[tuple[float, float, float]] | None = None   # (presence, frequency, repetition) per sampled row
-    output_rows: list[int] = field(default_factory=list)        # each output token of a penalised row: its row
-    output_ids: list[int] = field(default_factory=list)         #   and the token (or a placeholder -(1 + j))
-    prompt_rows: list[int] = field(default_factory=list)        # repetition: each distinct prompt token's row
-    prompt_ids: list[int] = field(default_factory=list)
+    output_counts: list[int] = field(default_factory=list)      # per sampled row: how many output tokens follow
+    output_ids: array.array = field(default_factory=lambda: array.array("q"))   # the rows' output tokens, row by
+                                                                # row (a placeholder -(1 + j) for an in-flight one)
+    prompt_counts: list[int] = field(default_factory=list)      # repetition: per row, its distinct prompt tokens
+    prompt_ids: array.array = field(default_factory=lambda: array.array("q"))
     bias_rows: list[int] = field(default_factory=list)          # logit_bias, and min_tokens' -inf on stop tokens
     bias_ids: list[int] = field(default_factory=list)
     bias_values: list[float] = field(default_factory=list)
@@ -249,7 +250,7 @@ class SamplingExtras:
     def forces_eager(self) -> bool: return bool(self.prompt_lp_rows)   # prompt rows' logits: only the eager path
 
 # %% ../nbs/10_runner.ipynb #e9d897bb
-_EXTRA_INTS = ("output_rows", "output_ids", "prompt_rows", "prompt_ids", "bias_rows", "bias_ids",
+_EXTRA_INTS = ("output_counts", "output_ids", "prompt_counts", "prompt_ids", "bias_rows", "bias_ids",
                "prompt_lp_rows", "prompt_lp_targets")
 
 def _put(packed: array.array, sections: dict, name: str, values) -> None:
@@ -284,14 +285,21 @@ def processors_of(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
     gi, gf = partial(_view, dev_i, x.extra_ints), partial(_view, dev_f, x.extra_floats)
     if not (set(x.extra_floats) | set(x.extra_ints)) - {"prompt_lp_rows", "prompt_lp_targets"}: return None
     p = LogitsProcessors(bias_rows=gi("bias_rows"), bias_ids=gi("bias_ids"), bias_values=gf("bias_values"),
-                         min_ps=gf("min_ps"), prompt_rows=gi("prompt_rows"), prompt_ids=gi("prompt_ids"))
+                         min_ps=gf("min_ps"))
     if "penalties" in x.extra_floats:
-        empty = dev_i[:0]
         p.penalties = gf("penalties").view(-1, 3)                                         # [S, 3]
-        p.output_rows = gi("output_rows") if "output_rows" in x.extra_ints else empty
-        ids = gi("output_ids") if "output_ids" in x.extra_ints else empty
+        p.output_rows, ids = _rows_of(x, dev_i, "output_counts", "output_ids")
         p.output_ids = resolve_placeholders(ids, last_sampled)
+        if "prompt_ids" in x.extra_ints: p.prompt_rows, p.prompt_ids = _rows_of(x, dev_i, "prompt_counts", "prompt_ids")
     return p
+
+
+def _rows_of(x: StepInputs, dev_i: torch.Tensor, counts_name: str, ids_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    "(the row of each id, the ids) of a per-row-counted section; empty when no row has any."
+    if ids_name not in x.extra_ints: return dev_i[:0], dev_i[:0]
+    rows = torch.arange(x.num_sampled, device=dev_i.device)
+    return (torch.repeat_interleave(rows, _view(dev_i, x.extra_ints, counts_name), output_size=x.extra_ints[ids_name][1]),
+            _view(dev_i, x.extra_ints, ids_name))
 
 # %% ../nbs/10_runner.ipynb #9a65744a
 def eager_inputs(x: StepInputs, dev_i: torch.Tensor):
