@@ -531,12 +531,16 @@ def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, pla
     "Record what came back beyond the tokens: logprobs, prompt logprobs, grammar state."
     if plan: record_prompt(plan, launched.prompt_logprobs)
     if not (self._num_special or self._num_constrained): return
-    lps = launched.logprobs
+    lps, constrained = launched.logprobs, []
     for j, (s, token) in enumerate(zip((s for s in step.seqs if s.sample), tokens)):
         r = self._requests.get(s.seq_id)
         if r is None or not _kept(r.seq, s, token): continue
         record_token(r, token, lps[j] if lps else None)
-        if r.matcher is not None and r.matcher.is_terminated() and not r.seq.is_finished:
+        if r.matcher is not None and token not in r.seq.stop_token_ids: constrained.append((r, token))
+    if not constrained: return
+    self.grammar_compiler.accept_tokens([(r.matcher, token) for r, token in constrained])   # all at once
+    for r, _ in constrained:
+        if r.matcher.is_terminated() and not r.seq.is_finished:
             self.scheduler.abort(r.seq.seq_id, reason="grammar")     # complete: nothing else may follow
 
 EngineStep._after_tokens = _after_tokens

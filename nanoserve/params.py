@@ -254,7 +254,6 @@ def record_token(c: Choice, token: int, lp: tuple | None) -> None:
         logprob, rank, top = lp
         c.cumulative_logprob += logprob
         if c.logprobs is not None: c.logprobs.append(TokenLogprob(token, logprob, rank, top[:c.params.logprobs]))
-    if c.matcher is not None and token not in c.seq.stop_token_ids: c.matcher.accept(token)
 
 
 def record_prompt(plan: list, entries: list) -> None:

@@ -23,7 +23,7 @@ except ImportError:
 
 # %% auto #0
 __all__ = ['TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'StructuredOutputs', 'grammar_text', 'll_tokenizer', 'GrammarMatcher',
-           'CompiledGrammar', 'GrammarCompiler', 'fill_bitmasks', 'apply_bitmask_ref', 'check_tools',
+           'CompiledGrammar', 'GrammarCompiler', 'fill_bitmasks', 'accept_tokens', 'apply_bitmask_ref', 'check_tools',
            'tool_call_outputs', 'ToolCallStream', 'parse_tool_calls']
 
 # %% ../nbs/10a_structured.ipynb #0496ff02
@@ -234,6 +234,18 @@ def fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor) -> 
     bitmask[rows, num_words:] = 0
 
 GrammarCompiler.fill_bitmasks = fill_bitmasks
+
+# %% ../nbs/10a_structured.ipynb #bccc5a54
+def accept_tokens(self: GrammarCompiler, pairs: list) -> list[bool]:
+    "Advance each (matcher, token id) pair by its token, in parallel; False where the grammar refuses it."
+    if not pairs: return []
+    inside = [(m, t) for m, t in pairs if 0 <= t < m.num_tokenizer_tokens]
+    with self._lock:
+        if self._executor is None: self._executor = llguidance.LLExecutor()
+    done = iter(self._executor.consume_token_par([(m._m, t) for m, t in inside]) if inside else [])
+    return [next(done) if 0 <= t < m.num_tokenizer_tokens else False for m, t in pairs]
+
+GrammarCompiler.accept_tokens = accept_tokens
 
 # %% ../nbs/10a_structured.ipynb #326fa833
 def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
