@@ -245,6 +245,7 @@ class EngineSetup:
         self._groups: dict[int, _Group] = {}            # request id -> its choices
         self._num_special = self._num_constrained = 0   # live choices that need extras, and a grammar
         self._grammars, self._grammar_lock = None, threading.Lock()
+        self._mask_buffers = None                       # grammar bitmasks' host buffers (made on first use)
         self._ids = itertools.count()
         try:
             self._load()
@@ -515,8 +516,13 @@ def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
     "The grammar bitmask of the step's sampled rows, or None (no constrained row)."
     if not self._num_constrained: return None
     grammars = self.grammar_compiler             # its `fill_bitmasks`: every row at once, on llguidance's threads
+    if self._mask_buffers is None:               # two, pinned on a GPU: a step's copy may be in flight while the next fills
+        shape = (self.engine_config.batch.max_num_seqs, grammars.bitmask_width)
+        self._mask_buffers = [torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+                              for _ in range(2)]
+    self._mask_buffers.reverse()
     return grammar_bitmask(step, self._requests, grammars.bitmask_width, grammars.fill_bitmasks,
-                           pin=self.device.type == "cuda")
+                           out=self._mask_buffers[0])
 
 EngineStep._sampling, EngineStep._pack, EngineStep._bitmask = _sampling, _pack, _bitmask
 

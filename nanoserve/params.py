@@ -265,14 +265,15 @@ def record_prompt(plan: list, entries: list) -> None:
         i += len(targets)
 
 # %% ../nbs/11a_params.ipynb #6aece644
-def grammar_bitmask(step: Step, choices: dict, width: int, fill, pin: bool = False) -> torch.Tensor | None:
+def grammar_bitmask(step: Step, choices: dict, width: int, fill, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The step's host bitmask (None: no sampled row has a grammar); `fill(pairs, bitmask)` fills (row, matcher)
-    pairs. `pin`: in pinned memory, so that its copy to the GPU does not wait for the work queued before it."""
+    pairs. `out`: a buffer of at least [S, width] to fill (the engine's are pinned, so that the copy to the GPU does
+    not wait for the work queued before it)."""
     sampled = [choices.get(s.seq_id) for s in step.seqs if s.sample]     # (one finished meanwhile: unmasked)
     pairs = [(j, c.matcher) for j, c in enumerate(sampled) if c is not None and c.matcher is not None]
     if not pairs: return None
-    bitmask = torch.full((len(sampled), width), -1, dtype=torch.int32, pin_memory=pin)
+    bitmask = (torch.empty(len(sampled), width, dtype=torch.int32) if out is None else out[:len(sampled)]).fill_(-1)
     fill(pairs, bitmask)
-    empty = ~bitmask.any(dim=1)
-    bitmask[empty] = -1
+    for j, m in pairs:
+        if m.is_error(): bitmask[j] = -1
     return bitmask

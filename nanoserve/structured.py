@@ -151,6 +151,7 @@ class GrammarMatcher:
 
     def is_terminated(self) -> bool: return self._m.is_stopped()
     def is_accepting(self) -> bool: return self._m.is_accepting()
+    def is_error(self) -> bool: return self._m.is_error()
 
     def rollback(self, num_tokens: int) -> None:
         if not self._m.rollback(num_tokens): raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
@@ -229,9 +230,10 @@ def fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor) -> 
     self._executor.unsafe_compute_mask_ptr([(m._m, i) for i, (_, m) in enumerate(pairs)], narrow.data_ptr(),
                                            num_words * 4, len(pairs))
     if last_bits: narrow[:, -1] &= (1 << last_bits) - 1
-    rows = torch.tensor([row for row, _ in pairs])
-    bitmask[rows, :num_words] = narrow
-    bitmask[rows, num_words:] = 0
+    rows = [row for row, _ in pairs]
+    index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)   # rows 0..P-1: a plain copy
+    bitmask[index, :num_words] = narrow
+    bitmask[index, num_words:] = 0
 
 GrammarCompiler.fill_bitmasks = fill_bitmasks
 
