@@ -677,7 +677,8 @@ def _fill_output(out: RequestOutput, r: _Request) -> None:
     if r.logprobs is not None: out.logprobs = list(r.logprobs)
     if r.num_logprobs >= 0: out.cumulative_logprob = r.cumulative_logprob
     scored = r.group.choices[0].prompt_logprobs        # the first choice scores the prompt for all of them
-    if scored is not None: out.prompt_logprobs = list(scored)
+    if scored is not None and len(out.prompt_logprobs or ()) != len(scored):   # they change only while the prompt runs
+        out.prompt_logprobs = list(scored)
 
 
 def _finish(self: EngineReports, r: _Request, reason: str, now: float) -> None:

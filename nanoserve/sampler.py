@@ -139,9 +139,7 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessors) -> torch.Tensor:
     if logits.is_cuda and (p.penalties is not None or p.bitmask is not None) and logits.stride(-1) == 1:
         counts = penalty_counts(p, S, V, logits.device) if p.penalties is not None else None
         out = penalize(logits, counts, p.penalties, p.bitmask)
-        if p.bias_rows is not None:      # a bias after the mask: -inf stays -inf
-            apply_bias(out, p.bias_rows, p.bias_ids, p.bias_values)
-            if p.bitmask is not None: apply_bitmask(out, p.bitmask)
+        if p.bias_rows is not None: apply_bias(out, p.bias_rows, p.bias_ids, p.bias_values)   # -inf + bias stays -inf
         return out
     x = logits.float()
     logits = x.clone() if x is logits else x        # never write into the model's (or a graph's) logits
