@@ -24,8 +24,8 @@ from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
 from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
-from .params import (Choice, RequestOutput, SamplingParams, TokenLogprob, grammar_bitmask, new_choice,
-                              record_prompt, record_token, step_extras)
+from .params import (Choice, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, grammar_bitmask,
+                              new_choice, record_prompt, record_token, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
 from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
@@ -329,7 +329,9 @@ class EngineStart(EngineLoad):
         self.scheduler_config = b.scheduler(self.max_model_len)
         self.block_manager = BlockManager(self.num_kv_blocks, bs, ec.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, bs, self.device, self.dtype, self.kernels)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, bs, self.device, self.dtype, self.kernels,
+                                  num_penalty_slots=b.max_num_seqs)
+        self._penalty_slots = PenaltySlots(b.max_num_seqs)      # which choice holds which row of the runner's counts
         if self.device.type == "cuda" and self.attention_backend == "triton": self.runner.compile_kernels()
         graph_sizes = None                   # (batch buckets, token buckets)
         if self.use_cuda_graphs:
@@ -441,6 +443,7 @@ def _release(self: EngineRequests, r: _Request) -> None:
     "A choice is done: forget it (its blocks were freed by the scheduler)."
     del self._requests[r.seq.seq_id]
     self._num_special -= r.needs_extras; self._num_constrained -= r.matcher is not None
+    self._penalty_slots.release(r)
 
 
 def abort_request(self: EngineRequests, request_id: int) -> bool:
@@ -506,7 +509,7 @@ def _sampling(self: EngineStep, step: Step) -> list[tuple]:
 
 def _pack(self: EngineStep, step: Step):
     "The step's `StepInputs` (sent to the other tensor-parallel ranks too) and its prompt-scoring plan."
-    extras, plan = step_extras(step, self._requests) if self._num_special else (None, [])
+    extras, plan = step_extras(step, self._requests, self._penalty_slots) if self._num_special else (None, [])
     x = self.runner.pack(step, self._sampling(step), extras)
     if self.runner.step_sender is not None: self.runner.step_sender(x)
     return x, plan

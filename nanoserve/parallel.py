@@ -210,7 +210,7 @@ def _worker_runner(spec: dict, conn) -> ModelRunner:
         max_model_len, kernels.cuda_graphs)[0]
     conn.send(("kv_blocks", num_blocks))
     _, num_blocks, max_model_len, graph_sizes = conn.recv()          # ("runners", ...) from rank 0
-    runner = ModelRunner(model, num_blocks, bs, device, dtype, kernels)
+    runner = ModelRunner(model, num_blocks, bs, device, dtype, kernels, num_penalty_slots=spec["max_num_seqs"])
     if device.type == "cuda" and kernels.attention_backend == "triton": runner.compile_kernels()
     if graph_sizes: runner.enable_graphs(graph_sizes[0], max_model_len, token_sizes=graph_sizes[1])
     conn.send(("ready", None))

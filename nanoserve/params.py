@@ -17,7 +17,7 @@ from .structured import StructuredOutputs
 
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'SamplingParams', 'partial_setattr', 'TokenLogprob', 'RequestOutput', 'Choice', 'new_choice',
-           'step_extras', 'record_token', 'record_prompt', 'grammar_bitmask']
+           'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'grammar_bitmask']
 
 # %% ../nbs/11a_params.ipynb #6cda9f6e
 MAX_LOGPROBS = 20     # the most log-probabilities a position returns (OpenAI's chat limit)
@@ -159,8 +159,7 @@ class Choice:
     index: int = 0
     matcher: object | None = None            # a `GrammarMatcher` (structured outputs)
     needs_logprob: bool = False              # best_of ranks choices by their cumulative logprob
-    prompt_set: array.array | None = None    # the prompt's distinct tokens, for a repetition penalty
-    output_arr: array.array = field(default_factory=lambda: array.array("q"))   # a penalised choice's kept tokens
+    penalty_slot: int = -1                   # its row of the device's penalty counts (-1: none yet)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list | None = None      # [None, ...]: the choice that scores the prompt
     num_prompt_asked: int = 0                # prompt positions asked to be scored (steps in flight included)
@@ -189,23 +188,51 @@ def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index
                scores_prompt: bool = False, cls: type = Choice, **fields) -> Choice:
     "A choice (of class `cls`, with `fields`), with the state its parameters need made up front."
     c = cls(seq, params, sampling_row, index, matcher, needs_logprob=params.num_choices > params.n, **fields)
-    if params.repetition_penalty != 1: c.prompt_set = array.array("q", sorted(set(seq.prompt_token_ids)))
     if params.logprobs is not None: c.logprobs = []
     if scores_prompt and params.prompt_logprobs is not None: c.prompt_logprobs = [None]
     return c
 
+# %% ../nbs/11a_params.ipynb #b5e216eb
+class PenaltySlots:
+    "Which penalised choice holds which row of the device's penalty counts; row `num_slots` is the scratch slot."
+    def __init__(self, num_slots: int):
+        self.scratch, self.free, self.holders = num_slots, list(range(num_slots - 1, -1, -1)), {}   # slot -> choice
+
+    def take(self, c: Choice, sampled: list) -> int:
+        "A slot for `c`: a free one, else one whose holder is not sampled in this step (it starts again later)."
+        if self.free: slot = self.free.pop()
+        else:
+            busy = {id(x) for x in sampled}
+            slot = next(s for s, holder in self.holders.items() if id(holder) not in busy)
+            self.holders[slot].penalty_slot = -1
+        self.holders[slot], c.penalty_slot = c, slot
+        return slot
+
+    def release(self, c: Choice) -> None:
+        "`c` is done: its slot is free (the next holder zeroes it first)."
+        if c.penalty_slot >= 0 and self.holders.get(c.penalty_slot) is c:
+            del self.holders[c.penalty_slot]; self.free.append(c.penalty_slot)
+        c.penalty_slot = -1
+
 # %% ../nbs/11a_params.ipynb #7267e00a
-def _penalties(e: SamplingExtras, sampled: list[Choice]) -> None:
-    "Penalties per row; each penalised row's output (its kept tokens as one array copy, then any in flight)."
+def _start_slot(e: SamplingExtras, c: Choice, slot: int) -> None:
+    "What slot `slot` starts from: 0.5 at each distinct prompt token (repetition), 1 at each output token."
+    prompt = sorted(set(c.seq.prompt_token_ids)) if c.params.repetition_penalty != 1 else []
+    out = c.seq.output_token_ids
+    e.reset_slots.append(slot)
+    e.init_rows += [slot] * (len(prompt) + len(out))
+    e.init_ids.extend(prompt); e.init_ids.extend(out)
+    e.init_values += [0.5] * len(prompt) + [1.0] * len(out)
+
+
+def _penalties(e: SamplingExtras, sampled: list[Choice], slots: PenaltySlots) -> None:
+    "Penalties and slots per row; a penalised choice without a slot takes one and starts it."
     if not any(c.penalised for c in sampled): return
     e.penalties = [(c.params.presence_penalty, c.params.frequency_penalty, c.params.repetition_penalty) for c in sampled]
+    e.scratch_slot, e.penalty_slots = slots.scratch, []
     for c in sampled:
-        kept = c.output_arr if c.penalised else ()
-        tail = c.seq.output_token_ids[len(kept):] if c.penalised else ()
-        e.output_ids.extend(kept); e.output_ids.extend(tail)
-        e.output_counts.append(len(kept) + len(tail))
-        prompt = c.prompt_set if c.penalised and c.prompt_set is not None else ()
-        e.prompt_ids.extend(prompt); e.prompt_counts.append(len(prompt))
+        if c.penalised and c.penalty_slot < 0: _start_slot(e, c, slots.take(c, sampled))
+        e.penalty_slots.append(c.penalty_slot if c.penalised else slots.scratch)
 
 
 def _bias(e: SamplingExtras, sampled: list[Choice]) -> None:
@@ -235,11 +262,11 @@ def _prompt_rows(e: SamplingExtras, step: Step, choices: dict) -> list[tuple[Cho
     return plan
 
 # %% ../nbs/11a_params.ipynb #22a9c379
-def step_extras(step: Step, choices: dict) -> tuple[SamplingExtras | None, list]:
+def step_extras(step: Step, choices: dict, slots: PenaltySlots) -> tuple[SamplingExtras | None, list]:
     "The step's `SamplingExtras` (None: no row asks for anything beyond the draw) and its prompt-scoring plan."
     sampled = [choices[s.seq_id] for s in step.seqs if s.sample]
     e = SamplingExtras()
-    _penalties(e, sampled)
+    _penalties(e, sampled, slots)
     _bias(e, sampled)
     if any(c.params.min_p > 0 for c in sampled): e.min_ps = [c.params.min_p for c in sampled]
     e.num_logprobs = max((c.num_logprobs for c in sampled), default=-1)
@@ -249,7 +276,6 @@ def step_extras(step: Step, choices: dict) -> tuple[SamplingExtras | None, list]
 # %% ../nbs/11a_params.ipynb #33603788
 def record_token(c: Choice, token: int, lp: tuple | None) -> None:
     "A token the scheduler kept for `c`, with its (logprob, rank, top) when the step computed them."
-    if c.penalised: c.output_arr.append(token)
     if lp is not None and c.num_logprobs >= 0:
         logprob, rank, top = lp
         c.cumulative_logprob += logprob

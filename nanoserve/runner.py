@@ -15,19 +15,20 @@ import torch
 
 from .attention import decode_attention, paged_attention
 from .fused import add_rmsnorm, gemv, silu_mul
-from .graphs import DecodeGraphs, MixedGraphs, apply_feed
+from .graphs import DecodeGraphs, MixedGraphs, apply_feed, pick_bucket
 from .model import AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausalLM, paged_attention_ref
 from .runtime import pdl_supported
-from .sampler import LogitsProcessors, SamplingMetadata, sample, token_logprobs, unpack_logprobs
+from .sampler import (LogitsProcessors, SamplingMetadata, reset_slots, sample, token_logprobs,
+                               unpack_logprobs)
 from .scheduler import Step
 
 # %% auto #0
 __all__ = ['KernelConfig', 'resolve_kernels', 'model_kernels', 'StepInputs', 'Sections', 'put_decodes', 'put_prefills',
            'sample_rows', 'prefill_chunks', 'pack_eager', 'pack_graph_step', 'add_feeds', 'SamplingExtras',
-           'add_extras', 'resolve_placeholders', 'processors_of', 'eager_inputs', 'sampling_metadata', 'feed_of',
-           'StagingBuffer', 'RunnerSetup', 'compile_decode_variants', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice',
-           'Launched', 'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_block_bytes', 'step_peak_bytes',
-           'kv_cache_blocks']
+           'add_extras', 'resolve_placeholders', 'processors_of', 'start_slots', 'eager_inputs', 'sampling_metadata',
+           'feed_of', 'StagingBuffer', 'RunnerSetup', 'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs',
+           'RunnerHost', 'RunnerDevice', 'Launched', 'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_block_bytes',
+           'step_peak_bytes', 'kv_cache_blocks']
 
 # %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class KernelConfig:
     mixed_step_graphs: bool = True         # steps with prefill chunks replay token-bucket graphs too
     fp32_logits: bool = False              # replayed steps' logits in fp32 (False: the model's dtype)
     load_step_kernel: bool = True          # replays: one kernel fills the static buffers
+    sampler_graphs: bool = True            # replayed steps' sampler replays a CUDA graph too (False: eagerly)
 
     def __post_init__(self):
         if self.attention_backend not in (None, "torch", "triton"):
@@ -90,18 +92,13 @@ def _host_tensor(values: array.array, dtype: torch.dtype) -> torch.Tensor:
     "A CPU tensor over an `array.array` (it keeps the array alive)."
     return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
 
-
-def _sampling_ints(sampling) -> list[int]:
-    "The integer sections of the sampling rows (top-k, seed, offset), packed after a step's own integers."
-    return [x[2] for x in sampling] + [x[3] for x in sampling] + [x[4] for x in sampling]
-
 # %% ../nbs/10_runner.ipynb #0b00bcad
 @dataclass
 class StepInputs:
     """One step's model inputs packed on the host: every integer in `ints`, every float in `floats`, and the
     layout needed to cut them into tensors. Tensor-parallel ranks receive exactly this object."""
-    ints: array.array                  # int64: the step's sections, then top-k, seed, offset of each sampled row
-    floats: array.array                # float32: temperature, then top-p of each sampled row
+    ints: array.array                  # int64: the step's sections, the sampling block's 4 rows, feeds, extras
+    floats: array.array                # float32: the sampling block's 6 rows, then the extras
     num_step_ints: int
     num_sampled: int
     all_greedy: bool
@@ -121,17 +118,36 @@ class StepInputs:
     extra_floats: dict = field(default_factory=dict)     # and in floats
     num_logprobs: int = -1             # -1: none; k: each sampled row's logprob and top k
     prompt_lp_k: int = -1              # -1: no prompt logprobs; k: each scored prompt row's logprob and top k
+    sample_rows: int = 0               # the sampling block's rows: num_sampled, or a sampler graph's size
+    has_penalties: bool = False        # some row is penalised (its block rows and slots are read)
+    has_min_p: bool = False
+    graph_sampled: bool = False        # the sampler replays a graph (a replayed step with no logit bias)
 
 # %% ../nbs/10_runner.ipynb #547ecfad
-def _with_sampling(layout: dict, ints, sampling) -> StepInputs:
-    "A `StepInputs` of a step's integers (a list or an int64 `array`) and `layout`, the sampling rows appended."
+def _block(rows: int, n: int, *columns) -> list:
+    "Rows of the sampling block: each column's `n` values, then its padding value up to `rows`."
+    out = []
+    for values, pad in columns: out += values; out += [pad] * (rows - n)
+    return out
+
+
+def _with_sampling(layout: dict, ints, sampling, extras: SamplingExtras | None = None,
+                   rows: int | None = None) -> StepInputs:
+    "A `StepInputs` of a step's integers (a list or an int64 `array`) and `layout`, the sampling block appended."
     packed = ints if isinstance(ints, array.array) else array.array("q", ints)
-    num_step_ints = len(packed)
-    packed.extend(_sampling_ints(sampling))
-    return StepInputs(ints=packed,
-                      floats=array.array("f", [x[0] for x in sampling] + [x[1] for x in sampling]),
-                      num_step_ints=num_step_ints, num_sampled=len(sampling), all_greedy=all(x[0] == 0 for x in sampling),
-                      any_filter=any(x[0] > 0 and (x[1] < 1 or x[2] > 0) for x in sampling), **layout)
+    num_step_ints, n = len(packed), len(sampling)
+    rows = n if rows is None else rows
+    penalties, min_ps = getattr(extras, "penalties", None), getattr(extras, "min_ps", None)
+    scratch = getattr(extras, "scratch_slot", 0)
+    pen = penalties or [(0.0, 0.0, 1.0)] * n
+    packed.extend(_block(rows, n, ([x[2] for x in sampling], 0), ([x[3] for x in sampling], 0),
+                         ([x[4] for x in sampling], 0), (getattr(extras, "penalty_slots", None) or [scratch] * n, scratch)))
+    floats = _block(rows, n, ([x[0] for x in sampling], 0.0), ([x[1] for x in sampling], 1.0), (min_ps or [0.0] * n, 0.0),
+                    *(([p[i] for p in pen], (0.0, 0.0, 1.0)[i]) for i in range(3)))
+    return StepInputs(ints=packed, floats=array.array("f", floats), num_step_ints=num_step_ints, num_sampled=n,
+                      all_greedy=all(x[0] == 0 for x in sampling),
+                      any_filter=any(x[0] > 0 and (x[1] < 1 or x[2] > 0) for x in sampling), sample_rows=rows,
+                      has_penalties=penalties is not None, has_min_p=min_ps is not None, **layout)
 
 # %% ../nbs/10_runner.ipynb #21c25112
 class Sections:
@@ -177,7 +193,7 @@ def prefill_chunks(prefills: list, num_decodes: int) -> list[tuple[int, int, int
     return chunks
 
 # %% ../nbs/10_runner.ipynb #f83f03fa
-def pack_eager(step: Step, sampling) -> StepInputs:
+def pack_eager(step: Step, sampling, extras: SamplingExtras | None = None) -> StepInputs:
     "An eager step's integers in named sections, and its layout."
     decodes = [s for s in step.seqs if s.is_decode]
     prefills = [s for s in step.seqs if not s.is_decode]
@@ -191,10 +207,11 @@ def pack_eager(step: Step, sampling) -> StepInputs:
                                prefill_chunks=prefill_chunks(prefills, len(decodes)),
                                prefill_max_q_len=max((s.num_tokens for s in prefills), default=0),
                                max_decode_context_len=max((s.context_len for s in decodes), default=0)),
-                          sec.ints, sampling)
+                          sec.ints, sampling, extras)
 
 # %% ../nbs/10_runner.ipynb #1db87a59
-def pack_graph_step(step: Step, sampling, bucket: int, width: int) -> StepInputs:
+def pack_graph_step(step: Step, sampling, bucket: int, width: int, extras: SamplingExtras | None = None,
+                    rows: int | None = None) -> StepInputs:
     "A decode-only `step` padded to `bucket` rows of block tables `width` wide, in the static buffers' layout."
     seqs, pad = step.seqs, bucket - len(step.seqs)
     positions = [s.start_pos for s in seqs]
@@ -210,7 +227,7 @@ def pack_graph_step(step: Step, sampling, bucket: int, width: int) -> StepInputs
         parts.append(table); parts.append(zero_row[len(table):])
     packed.frombytes(b"".join(parts))
     packed.frombytes(bytes(8 * pad * width))                  # the padding rows' tables: zeros, as bytes
-    return _with_sampling(dict(bucket=bucket, num_seqs=len(seqs), width=width), packed, sampling)
+    return _with_sampling(dict(bucket=bucket, num_seqs=len(seqs), width=width), packed, sampling, extras, rows)
 
 # %% ../nbs/10_runner.ipynb #63f23fbe
 def add_feeds(x: StepInputs, step: Step) -> StepInputs:
@@ -232,11 +249,12 @@ def add_feeds(x: StepInputs, step: Step) -> StepInputs:
 class SamplingExtras:
     "What some sampled rows of a step ask beyond the draw, as host lists (the engine fills it)."
     penalties: list[tuple[float, float, float]] | None = None   # (presence, frequency, repetition) per sampled row
-    output_counts: list[int] = field(default_factory=list)      # per sampled row: how many output tokens follow
-    output_ids: array.array = field(default_factory=lambda: array.array("q"))   # the rows' output tokens, row by
-                                                                # row (a placeholder -(1 + j) for an in-flight one)
-    prompt_counts: list[int] = field(default_factory=list)      # repetition: per row, its distinct prompt tokens
-    prompt_ids: array.array = field(default_factory=lambda: array.array("q"))
+    penalty_slots: list[int] | None = None                      # per sampled row: its slot of the penalty counts
+    scratch_slot: int = 0                                       # the slot of rows that are not penalised
+    reset_slots: list[int] = field(default_factory=list)        # slots that start now: zeroed, then
+    init_rows: list[int] = field(default_factory=list)          # ... `init_values` added at (slot, id)
+    init_ids: array.array = field(default_factory=lambda: array.array("q"))   # (a placeholder for one in flight)
+    init_values: list[float] = field(default_factory=list)      # 0.5: in the prompt; 1: an output token
     bias_rows: list[int] = field(default_factory=list)          # logit_bias, and min_tokens' -inf on stop tokens
     bias_ids: list[int] = field(default_factory=list)
     bias_values: list[float] = field(default_factory=list)
@@ -250,8 +268,7 @@ class SamplingExtras:
     def forces_eager(self) -> bool: return bool(self.prompt_lp_rows)   # prompt rows' logits: only the eager path
 
 # %% ../nbs/10_runner.ipynb #e9d897bb
-_EXTRA_INTS = ("output_counts", "output_ids", "prompt_counts", "prompt_ids", "bias_rows", "bias_ids",
-               "prompt_lp_rows", "prompt_lp_targets")
+_EXTRA_INTS = ("reset_slots", "init_rows", "init_ids", "bias_rows", "bias_ids", "prompt_lp_rows", "prompt_lp_targets")
 
 def _put(packed: array.array, sections: dict, name: str, values) -> None:
     if values: sections[name] = (len(packed), len(values)); packed.extend(values)
@@ -261,9 +278,8 @@ def add_extras(x: StepInputs, e: SamplingExtras | None) -> StepInputs:
     "Append the extras' non-empty lists to `x` as named sections (after the feeds)."
     if e is None: return x
     for name in _EXTRA_INTS: _put(x.ints, x.extra_ints, name, getattr(e, name))
-    _put(x.floats, x.extra_floats, "penalties", [v for row in e.penalties or () for v in row])
+    _put(x.floats, x.extra_floats, "init_values", e.init_values)
     _put(x.floats, x.extra_floats, "bias_values", e.bias_values)
-    _put(x.floats, x.extra_floats, "min_ps", e.min_ps or [])
     x.num_logprobs = e.num_logprobs
     x.prompt_lp_k = e.prompt_lp_k if e.prompt_lp_rows else -1
     return x
@@ -278,28 +294,33 @@ def resolve_placeholders(ids: torch.Tensor, last_sampled: torch.Tensor | None) -
     if last_sampled is None: return ids
     return torch.where(ids < 0, last_sampled[(-ids - 1).clamp(0, last_sampled.numel() - 1)], ids)
 
+
+def _block_views(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "The sampling block's first `n` columns: floats [6, n], ints [4, n]."
+    r, k = x.sample_rows, x.num_step_ints
+    return dev_f[:6 * r].view(6, r)[:, :n], dev_i[k:k + 4 * r].view(4, r)[:, :n]                 # [6, n], [4, n]
+
 # %% ../nbs/10_runner.ipynb #ea217fb0
-def processors_of(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
-                  last_sampled: torch.Tensor | None) -> LogitsProcessors | None:
-    "The step's `LogitsProcessors` as views of its one copy (None: no row asks for any)."
-    gi, gf = partial(_view, dev_i, x.extra_ints), partial(_view, dev_f, x.extra_floats)
-    if not (set(x.extra_floats) | set(x.extra_ints)) - {"prompt_lp_rows", "prompt_lp_targets"}: return None
-    p = LogitsProcessors(bias_rows=gi("bias_rows"), bias_ids=gi("bias_ids"), bias_values=gf("bias_values"),
-                         min_ps=gf("min_ps"))
-    if "penalties" in x.extra_floats:
-        p.penalties = gf("penalties").view(-1, 3)                                         # [S, 3]
-        p.output_rows, ids = _rows_of(x, dev_i, "output_counts", "output_ids")
-        p.output_ids = resolve_placeholders(ids, last_sampled)
-        if "prompt_ids" in x.extra_ints: p.prompt_rows, p.prompt_ids = _rows_of(x, dev_i, "prompt_counts", "prompt_ids")
+def processors_of(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, counts: torch.Tensor | None,
+                  n: int | None = None) -> LogitsProcessors | None:
+    "The step's `LogitsProcessors` over its first `n` block rows (None: no row asks for any)."
+    bias = _view(dev_i, x.extra_ints, "bias_rows")
+    if not (x.has_penalties or x.has_min_p or bias is not None): return None
+    f, i = _block_views(x, dev_i, dev_f, x.num_sampled if n is None else n)
+    p = LogitsProcessors(bias_rows=bias, bias_ids=_view(dev_i, x.extra_ints, "bias_ids"),
+                         bias_values=_view(dev_f, x.extra_floats, "bias_values"), min_ps=f[2] if x.has_min_p else None)
+    if x.has_penalties: p.penalties, p.counts, p.slots = f[3:6], counts, i[3]
     return p
 
 
-def _rows_of(x: StepInputs, dev_i: torch.Tensor, counts_name: str, ids_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    "(the row of each id, the ids) of a per-row-counted section; empty when no row has any."
-    if ids_name not in x.extra_ints: return dev_i[:0], dev_i[:0]
-    rows = torch.arange(x.num_sampled, device=dev_i.device)
-    return (torch.repeat_interleave(rows, _view(dev_i, x.extra_ints, counts_name), output_size=x.extra_ints[ids_name][1]),
-            _view(dev_i, x.extra_ints, ids_name))
+def start_slots(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, counts: torch.Tensor,
+                last_sampled: torch.Tensor | None) -> None:
+    "Zero the slots that start in the step and add their prompt's and output's tokens (placeholders resolved)."
+    if "reset_slots" not in x.extra_ints: return
+    get = lambda dev, sections, name: _view(dev, sections, name) if name in sections else dev[:0]
+    ids = resolve_placeholders(get(dev_i, x.extra_ints, "init_ids"), last_sampled)
+    reset_slots(counts, _view(dev_i, x.extra_ints, "reset_slots"), get(dev_i, x.extra_ints, "init_rows"), ids,
+                get(dev_f, x.extra_floats, "init_values"))
 
 # %% ../nbs/10_runner.ipynb #9a65744a
 def eager_inputs(x: StepInputs, dev_i: torch.Tensor):
@@ -316,11 +337,10 @@ def eager_inputs(x: StepInputs, dev_i: torch.Tensor):
     return get("input_ids"), get("positions"), meta, get("sample_rows")
 
 # %% ../nbs/10_runner.ipynb #4003743f
-def sampling_metadata(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor) -> SamplingMetadata:
-    "The sampled rows' parameters, as views of the step's one copy."
-    n, k = x.num_sampled, x.num_step_ints
-    return SamplingMetadata(dev_f[:n], dev_f[n:2 * n], dev_i[k:k + n], dev_i[k + n:k + 2 * n],
-                            dev_i[k + 2 * n:k + 3 * n], all_greedy=x.all_greedy, any_filter=x.any_filter,
+def sampling_metadata(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, n: int | None = None) -> SamplingMetadata:
+    "The first `n` (default: the sampled) rows' parameters, as views of the step's sampling block."
+    f, i = _block_views(x, dev_i, dev_f, x.num_sampled if n is None else n)
+    return SamplingMetadata(f[0], f[1], i[0], i[1], i[2], all_greedy=x.all_greedy, any_filter=x.any_filter,
                             num_logprobs=x.num_logprobs)
 
 
@@ -328,7 +348,7 @@ def feed_of(x: StepInputs, dev_i: torch.Tensor, last_sampled: torch.Tensor | Non
     "(rows, samples, which) of the step's feeds, or None."
     if not x.num_feeds: return None
     if last_sampled is None: raise RuntimeError("a step feeds on tokens no step sampled")
-    base, f = x.num_step_ints + 3 * x.num_sampled, x.num_feeds
+    base, f = x.num_step_ints + 4 * x.sample_rows, x.num_feeds
     return dev_i[base:base + f], last_sampled, dev_i[base + f:base + 2 * f]
 
 # %% ../nbs/10_runner.ipynb #c49c6d50
@@ -363,7 +383,7 @@ class RunnerSetup:
     "A model runner's state: the model, its KV cache, its kernel choices, its staging buffer."
 
     def __init__(self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, kernels: KernelConfig | None = None):
+                 dtype: torch.dtype, kernels: KernelConfig | None = None, num_penalty_slots: int = 64):
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         self.kernels = (kernels or KernelConfig()).resolve(device)
@@ -377,12 +397,22 @@ class RunnerSetup:
         self._last_sampled = None          # the last launched step's sampled tokens, on the device
         self._host_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]  # pinned ring
         self.step_spans: list | None = None  # a list: each GPU step appends its (start, end) timing events
+        self.num_penalty_slots = num_penalty_slots   # slot `num_penalty_slots` is the scratch slot
+        self.penalty_counts = None         # [num_penalty_slots + 1, V] fp32, made on the first penalised step
+        self.sampler_graphs = None         # a `SamplerGraphs` once graphs are captured
 
     @property
     def num_h2d_copies(self) -> int: return self.staging.num_copies
 
     def _to_device(self, ints: array.array, floats: array.array) -> tuple[torch.Tensor, torch.Tensor]:
         return self.staging.copy(ints, floats, self.device)
+
+    def counts(self) -> torch.Tensor:
+        "The penalty counts, made (zeros) on first use; never reallocated, as a captured graph holds its address."
+        if self.penalty_counts is None:
+            V = self.model.config.vocab_size
+            self.penalty_counts = torch.zeros(self.num_penalty_slots + 1, V, dtype=torch.float32, device=self.device)
+        return self.penalty_counts
 
 # %% ../nbs/10_runner.ipynb #892fda7d
 def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device) -> None:
@@ -394,6 +424,75 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     ctx = torch.ones(1, dtype=torch.int64, device=device)
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
+
+# %% ../nbs/10_runner.ipynb #4c3ab6dc
+def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
+
+
+class SamplerGraphs:
+    "Replayed steps' sampler as CUDA graphs: one per (rows, stages), captured on first use, over static buffers."
+
+    def __init__(self, logits: torch.Tensor, batch_sizes: list[int], pool=None, fast_argmax: bool = True,
+                 capture: bool = True):
+        B = logits.shape[0]
+        self.logits, self.batch_sizes, self.pool, self.fast_argmax = logits, batch_sizes, pool, fast_argmax
+        self.capture = capture                 # False: the same static work, run eagerly (a CPU's tests)
+        self.floats = torch.zeros(6, B, dtype=torch.float32, device=logits.device)   # the sampling block's rows
+        self.ints = torch.zeros(4, B, dtype=torch.int64, device=logits.device)
+        self.bitmask = None                                                           # [B, W] int32, on first use
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=logits.device)
+        self.logprobs = torch.zeros(B, 42, dtype=torch.float32, device=logits.device)   # up to 2 + 2 * 20
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+
+    def rows(self, n: int) -> int: return pick_bucket(n, self.batch_sizes)
+
+    def key(self, x: StepInputs, has_mask: bool) -> tuple:
+        return (x.sample_rows, x.all_greedy, x.any_filter, x.has_min_p, x.has_penalties, has_mask, x.num_logprobs)
+
+# %% ../nbs/10_runner.ipynb #092cb2a7
+def _sample_static(self: SamplerGraphs, key: tuple, counts: torch.Tensor | None) -> None:
+    "The captured work: `sample` (and `token_logprobs`) over the first `rows` rows of the static buffers."
+    rows, greedy, any_filter, min_p, penalties, mask, k = key
+    f, i = self.floats[:, :rows], self.ints[:, :rows]
+    p = None
+    if min_p or penalties or mask:
+        p = LogitsProcessors(min_ps=f[2] if min_p else None, bitmask=self.bitmask[:rows] if mask else None)
+        if penalties: p.penalties, p.counts, p.slots = f[3:6], counts, i[3]
+    m = SamplingMetadata(f[0], f[1], i[0], i[1], i[2], all_greedy=greedy, any_filter=any_filter, processors=p)
+    tokens = sample(self.logits[:rows], m, self.fast_argmax)
+    self.tokens[:rows].copy_(tokens)
+    if k >= 0: self.logprobs[:rows, :2 + 2 * k].copy_(token_logprobs(self.logits[:rows], tokens, k))
+
+
+def _capture_sampler(self: SamplerGraphs, key: tuple, counts: torch.Tensor | None) -> torch.cuda.CUDAGraph:
+    "Warm up (Triton compiles) and capture `key`'s graph; the warm-up counts only into the scratch slot."
+    if counts is not None: self.ints[3].fill_(counts.shape[0] - 1)
+    self._sample_static(key, counts)
+    torch.cuda.synchronize(self.logits.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=self.pool): self._sample_static(key, counts)
+    self.graphs[key] = graph
+    return graph
+
+SamplerGraphs._sample_static, SamplerGraphs._capture = _sample_static, _capture_sampler
+
+# %% ../nbs/10_runner.ipynb #e263d267
+def _run_sampler(self: SamplerGraphs, x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
+                 counts: torch.Tensor | None, bitmask: torch.Tensor | None):
+    "Load a step's sampling block (and mask) and replay its graph: (tokens [n], logprobs [n, 2 + 2k] or None)."
+    n, r, k = x.num_sampled, x.sample_rows, x.num_logprobs
+    key = self.key(x, bitmask is not None)
+    if bitmask is not None and self.bitmask is None:
+        self.bitmask = torch.full((self.logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=self.logits.device)
+    graph = (self.graphs.get(key) or self._capture(key, counts)) if self.capture else None
+    self.floats[:, :r].copy_(dev_f[:6 * r].view(6, r))                                          # [6, r]
+    self.ints[:, :r].copy_(dev_i[x.num_step_ints:x.num_step_ints + 4 * r].view(4, r))              # [4, r]
+    if bitmask is not None: self.bitmask[:n].copy_(bitmask[:n], non_blocking=True)
+    if graph is not None: graph.replay()
+    else: self._sample_static(key, counts)
+    return self.tokens[:n], (self.logprobs[:n, :2 + 2 * k] if k >= 0 else None)
+
+SamplerGraphs.run = _run_sampler
 
 # %% ../nbs/10_runner.ipynb #686e89c5
 class RunnerGraphs(RunnerSetup):
@@ -410,10 +509,14 @@ class RunnerGraphs(RunnerSetup):
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, token_sizes, batch_sizes[-1], max_model_len,
                                             self.block_size, self.device, capture=capture, logits=self.graphs.logits,
                                             **opts)
+        pool = None
         if capture:
             pool = torch.cuda.graph_pool_handle()      # one pool; the largest step (a mixed one) is captured first
             if self.mixed_graphs: self.mixed_graphs.capture(progress, pool)
             self.graphs.capture(progress, pool)
+        if self.kernels.sampler_graphs:
+            self.sampler_graphs = SamplerGraphs(self.graphs.logits, batch_sizes, pool if capture else None,
+                                                self.kernels.fast_argmax, capture)
 
     @torch.inference_mode()
     def compile_kernels(self) -> None:
@@ -428,18 +531,27 @@ class RunnerHost(RunnerGraphs):
              extras: SamplingExtras | None = None) -> StepInputs:
         """The host side of `step`: `sampling` holds (temperature, top_p, top_k, seed, offset) per sampled row;
         `extras`, what some rows ask beyond that (a step that scores prompt rows runs eagerly)."""
-        eager = extras is not None and extras.forces_eager
+        eager, rows = extras is not None and extras.forces_eager, None
         if not eager and (replay := self.graph_bucket(step)):
             bucket, max_blocks = replay
             width = min(_pow2(max_blocks), self.graphs.max_blocks)    # the longest block table, rounded up
-            return add_extras(add_feeds(pack_graph_step(step, sampling, bucket, width), step), extras)
-        if not eager and (mixed := self.mixed_bucket(step)):
+            rows = self._graph_rows(len(sampling), extras)
+            x = pack_graph_step(step, sampling, bucket, width, extras, rows)
+        elif not eager and (mixed := self.mixed_bucket(step)):
             bucket, max_blocks = mixed
             width = min(_pow2(max_blocks), self.mixed_graphs.max_blocks)
+            rows = self._graph_rows(len(sampling), extras)
             x = _with_sampling(dict(mixed_bucket=bucket, num_seqs=len(step.seqs), width=width),
-                               self.mixed_graphs.pack(step, bucket, width), sampling)
-            return add_extras(add_feeds(x, step), extras)
-        return add_extras(add_feeds(pack_eager(step, sampling), step), extras)
+                               self.mixed_graphs.pack(step, bucket, width), sampling, extras, rows)
+        else: x = pack_eager(step, sampling, extras)
+        x = add_extras(add_feeds(x, step), extras)
+        if rows is not None: x.graph_sampled, x.num_logprobs = True, _graph_k(x.num_logprobs)
+        return x
+
+    def _graph_rows(self, n: int, extras: SamplingExtras | None) -> int | None:
+        "The rows of a replayed step's sampler graph; None (sample eagerly): no sampler graphs, or a logit bias."
+        if self.sampler_graphs is None or not n or (extras is not None and extras.bias_rows): return None
+        return self.sampler_graphs.rows(n)
 
     def graph_bucket(self, step: Step) -> tuple[int, int] | None:
         "(bucket, longest block table) when `step` replays; None when it runs eagerly (graphs off, prefill, too large)."
@@ -508,7 +620,7 @@ class RunnerDevice(RunnerHost):
 class Launched:
     "A step queued on the device: what `sample_launched` and `wait` need, then what came back."
     x: StepInputs
-    smeta: SamplingMetadata
+    smeta: SamplingMetadata | None        # None: the sampler replays a graph (or is made when it runs)
     logits: torch.Tensor | None           # [S, V] the sampled rows' logits, until they are sampled
     prompt_lp: torch.Tensor | None        # [R, 2 + 2k] the scored prompt rows
     events: tuple | None
@@ -518,6 +630,7 @@ class Launched:
     done: object = None                   # the copy's CUDA event
     logprobs: list | None = None          # after `wait`: `unpack_logprobs` of each sampled row
     prompt_logprobs: list | None = None   # and of each scored prompt row
+    dev: tuple = ()                       # the step's one copy on the device: (ints, floats)
 
 # %% ../nbs/10_runner.ipynb #66ee84fe
 class RunnerLaunch(RunnerDevice):
@@ -531,29 +644,33 @@ class RunnerLaunch(RunnerDevice):
         t0 = time.perf_counter()
         dev_i, dev_f = self._to_device(x.ints, x.floats)
         if ledger_row is not None: ledger_row["h2d"] = time.perf_counter() - t0
-        smeta = sampling_metadata(x, dev_i, dev_f)
-        smeta.processors = processors_of(x, dev_i, dev_f, self._last_sampled)
+        if x.has_penalties: start_slots(x, dev_i, dev_f, self.counts(), self._last_sampled)
+        smeta = None if x.graph_sampled else self._metadata(x, dev_i, dev_f)
         feed = feed_of(x, dev_i, self._last_sampled)   # the previous step's samples, never seen by the host
         events = self._span_events(ledger_row)
         t0 = time.perf_counter()                 # a graph records the start once its inputs are in
         logits, prompt_lp = self._logits(x, dev_i, feed, events[0] if events else None)
-        launched = Launched(x, smeta, logits, prompt_lp, events, t0)
+        launched = Launched(x, smeta, logits, prompt_lp, events, t0, dev=(dev_i, dev_f))
         if not defer_sample: self.sample_launched(launched, bitmask)
         if ledger_row is not None: ledger_row["launch"] = time.perf_counter() - t0
         return launched
+
+    def _metadata(self, x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor) -> SamplingMetadata:
+        "An eager sampler's `SamplingMetadata` and `LogitsProcessors`, over the sampled rows of the block."
+        smeta = sampling_metadata(x, dev_i, dev_f)
+        smeta.processors = processors_of(x, dev_i, dev_f, self.penalty_counts)
+        return smeta
 
 # %% ../nbs/10_runner.ipynb #bbb94791
 @torch.inference_mode()
 def sample_launched(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor | None = None) -> None:
     "Queue the sampler of a launched step (with `bitmask`, int32 [S, W] on the host: grammar masks) and the copy back."
-    x, m = launched.x, launched.smeta
+    x = launched.x
     tokens, lp = None, None
     if launched.logits is not None:
-        if bitmask is not None:
-            if m.processors is None: m.processors = LogitsProcessors()
-            m.processors.bitmask = bitmask.to(self.device, non_blocking=True)
-        tokens = sample(launched.logits, m, self.kernels.fast_argmax)                      # [S]
-        if x.num_logprobs >= 0: lp = token_logprobs(launched.logits, tokens, x.num_logprobs)   # [S, 2 + 2k]
+        if x.graph_sampled and self.sampler_graphs is not None:
+            tokens, lp = self.sampler_graphs.run(x, *launched.dev, self.penalty_counts, bitmask)
+        else: tokens, lp = self._sample_eager(launched, bitmask)
         self._last_sampled = tokens
         launched.logits = None                   # (a graph's logits buffer is the next replay's)
     if launched.events is not None: launched.events[1].record()
@@ -564,9 +681,20 @@ def sample_launched(self: RunnerLaunch, launched: Launched, bitmask: torch.Tenso
         tokens, floats, launched.done = self._copy_back(tokens, floats)
     launched.tokens, launched.floats = tokens, floats
 
-RunnerLaunch.sample_launched = sample_launched
 
+def _sample_eager(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor | None):
+    "`sample` and `token_logprobs` run eagerly: (tokens [S], logprobs [S, 2 + 2k] or None)."
+    x, m = launched.x, launched.smeta or self._metadata(x := launched.x, *launched.dev)
+    if bitmask is not None:
+        if m.processors is None: m.processors = LogitsProcessors()
+        m.processors.bitmask = bitmask.to(self.device, non_blocking=True)
+    tokens = sample(launched.logits, m, self.kernels.fast_argmax)                          # [S]
+    lp = token_logprobs(launched.logits, tokens, x.num_logprobs) if x.num_logprobs >= 0 else None   # [S, 2 + 2k]
+    return tokens, lp
 
+RunnerLaunch.sample_launched, RunnerLaunch._sample_eager = sample_launched, _sample_eager
+
+# %% ../nbs/10_runner.ipynb #9f0864f6
 def _span_events(self: RunnerLaunch, ledger_row: dict | None):
     "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
     if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None
@@ -662,11 +790,13 @@ def kv_cache_blocks(model: Qwen2ForCausalLM, device: torch.device, dtype: torch.
     peak = step_peak_bytes(model, device, dtype, block_size, n, min(n, max_num_seqs))
     free, total = torch.cuda.mem_get_info(device)
     budget = total * utilization - (total - free) - peak
-    info = {"activation_peak_bytes": peak}
+    V = model.config.vocab_size
+    info = {"activation_peak_bytes": peak, "sampler_bytes": 4 * (max_num_seqs + 1) * V * 4}
+    budget -= info["sampler_bytes"]   # the penalty counts, and the fp32 [rows, V] work of the sampler (or its graphs)
     if reserve_graphs:      # the graphs' pool (at most one step's activations) and static buffers stay allocated
         width = -(-max_model_len // block_size)
         # (the decode and the mixed-step graphs each hold a block-table buffer and small inputs)
-        info["graph_reserve_bytes"] = (peak + max_num_seqs * (8 * (4 + 2 * width) + 4 * model.config.vocab_size)
+        info["graph_reserve_bytes"] = (peak + max_num_seqs * (8 * (4 + 2 * width) + 4 * V)
                                        + 256 * max_num_batched_tokens)    # the token buckets' inputs, ~30 ints a token
         budget -= info["graph_reserve_bytes"]
     num_blocks = int(budget // block_bytes)

@@ -15,9 +15,10 @@ import triton.language as tl
 from .fused import argmax_rows
 
 # %% auto #0
-__all__ = ['hash_uniform', 'LogitsProcessors', 'penalty_counts', 'penalize_ref', 'penalize_kernel', 'penalize', 'apply_penalties',
-           'apply_bias', 'apply_bitmask', 'process_logits', 'apply_min_p', 'SamplingMetadata', 'sample', 'topk_rows',
-           'token_logprobs', 'unpack_logprobs']
+__all__ = ['hash_uniform', 'LogitsProcessors', 'reset_slots', 'count_tokens', 'penalize_ref', 'penalize_kernel', 'penalize',
+           'apply_penalties', 'apply_bias', 'apply_bitmask', 'process_logits', 'apply_min_p', 'SamplingMetadata',
+           'gumbel_argmax_ref', 'gumbel_argmax_kernel', 'gumbel_argmax', 'sample', 'topk_rows', 'token_logprobs',
+           'unpack_logprobs']
 
 # %% ../nbs/09a_sampler.ipynb #bf49c9c3
 def _i64(x: int) -> int: return x - (1 << 64) if x >= 1 << 63 else x
@@ -47,11 +48,9 @@ def _argmax(x: torch.Tensor, fast: bool = True) -> torch.Tensor:
 @dataclass
 class LogitsProcessors:
     "The optional stages of one step's sampler, on the device; None: no row asks for it."
-    penalties: torch.Tensor | None = None     # [S, 3] float32: presence, frequency, repetition per row
-    output_rows: torch.Tensor | None = None   # [N] int64: the row of each output token of a penalised row
-    output_ids: torch.Tensor | None = None    # [N] int64: that token
-    prompt_rows: torch.Tensor | None = None   # [M] int64: the row of each distinct prompt token (repetition)
-    prompt_ids: torch.Tensor | None = None    # [M] int64
+    penalties: torch.Tensor | None = None     # [3, S] float32: presence, frequency, repetition of each row
+    counts: torch.Tensor | None = None        # [num_slots, V] float32: each slot's output counts, + 0.5 if in the prompt
+    slots: torch.Tensor | None = None         # [S] int64: each row's slot of `counts` (unpenalised: a scratch slot)
     bias_rows: torch.Tensor | None = None     # [B] int64: logit_bias, and min_tokens' -inf on stop tokens
     bias_ids: torch.Tensor | None = None      # [B] int64
     bias_values: torch.Tensor | None = None   # [B] float32
@@ -59,34 +58,38 @@ class LogitsProcessors:
     bitmask: torch.Tensor | None = None       # [S, ceil(V / 32)] int32: bit j of a row set = token j allowed
 
 # %% ../nbs/09a_sampler.ipynb #d7b06953
-def penalty_counts(p: LogitsProcessors, S: int, V: int, device) -> torch.Tensor:
-    "[S, V] fp32: each row's output count of each token, plus 0.5 where the row's prompt holds it."
-    counts = torch.zeros(S * V, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, p.output_rows * V + p.output_ids, torch.ones_like(p.output_ids, dtype=torch.float32))
-    if p.prompt_rows is not None:
-        counts.scatter_add_(0, p.prompt_rows * V + p.prompt_ids, torch.full_like(p.prompt_ids, 0.5, dtype=torch.float32))
-    return counts.view(S, V)
+def reset_slots(counts: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                values: torch.Tensor) -> None:
+    "Zero `counts`' rows `slots`, then add `values` at (`rows`, `ids`): the start of each slot's count."
+    counts.index_fill_(0, slots, 0.0)
+    counts.view(-1).index_add_(0, rows * counts.shape[1] + ids, values)
+
+
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+    "Add 1 at each row's drawn token in the row's slot (an atomic `index_add_`: no sort, no sync)."
+    counts.view(-1).index_add_(0, slots * counts.shape[1] + token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
 
 
 def penalize_ref(logits: torch.Tensor, counts: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
-    "The penalties in torch: `logits` [S, V] fp32, `counts` from `penalty_counts`, `penalties` [S, 3]."
+    "The penalties in torch: `logits` [S, V] fp32, `counts` [S, V] (each row's slot), `penalties` [3, S]."
     n, seen = counts.floor(), counts > 0
-    rep = penalties[:, 2:3]
+    presence, frequency, rep = penalties[:, :, None]                                      # [S, 1] each
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - penalties[:, 1:2] * n - penalties[:, 0:1] * (n > 0)
+    return logits - frequency * n - presence * (n > 0)
 
 # %% ../nbs/09a_sampler.ipynb #f6d0e157
 @triton.jit
-def penalize_kernel(logits_ptr, counts_ptr, params_ptr, bitmask_ptr, out_ptr, V, logits_stride, num_words,
-                    HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+def penalize_kernel(logits_ptr, counts_ptr, slots_ptr, params_ptr, bitmask_ptr, out_ptr, V, logits_stride,
+                    params_stride, num_words, HAS_COUNTS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     inside = offs < V
     x = tl.load(logits_ptr + row * logits_stride + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_COUNTS:
-        c = tl.load(counts_ptr + row * V + offs, mask=inside, other=0.0)
-        presence, frequency = tl.load(params_ptr + row * 3), tl.load(params_ptr + row * 3 + 1)
-        rep = tl.load(params_ptr + row * 3 + 2)
+        slot = tl.load(slots_ptr + row)
+        c = tl.load(counts_ptr + slot * V + offs, mask=inside, other=0.0)
+        presence, frequency = tl.load(params_ptr + row), tl.load(params_ptr + params_stride + row)
+        rep = tl.load(params_ptr + 2 * params_stride + row)
         n = tl.floor(c)
         x = tl.where(c > 0, tl.where(x > 0, x / rep, x * rep), x)
         x = x - frequency * n - tl.where(n > 0, presence, 0.0)
@@ -98,15 +101,16 @@ def penalize_kernel(logits_ptr, counts_ptr, params_ptr, bitmask_ptr, out_ptr, V,
 # %% ../nbs/09a_sampler.ipynb #763158b2
 _PENALIZE_BLOCK = 2048
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor | None, penalties: torch.Tensor | None,
-             bitmask: torch.Tensor | None) -> torch.Tensor:
+def penalize(logits: torch.Tensor, counts: torch.Tensor | None, slots: torch.Tensor | None,
+             penalties: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
     "fp32 [S, V]: `logits` (any float dtype, rows contiguous) with the penalties and the bitmask applied, in one pass."
     S, V = logits.shape
     out = torch.empty(S, V, dtype=torch.float32, device=logits.device)
     dummy = out                                          # an unused pointer argument
     grid = (S, triton.cdiv(V, _PENALIZE_BLOCK))
-    penalize_kernel[grid](logits, dummy if counts is None else counts, dummy if penalties is None else penalties,
-                          dummy if bitmask is None else bitmask, out, V, logits.stride(0),
+    penalize_kernel[grid](logits, dummy if counts is None else counts, dummy if slots is None else slots,
+                          dummy if penalties is None else penalties, dummy if bitmask is None else bitmask, out, V,
+                          logits.stride(0), 0 if penalties is None else penalties.stride(0),
                           0 if bitmask is None else bitmask.shape[1], HAS_COUNTS=counts is not None,
                           HAS_MASK=bitmask is not None, BLOCK=_PENALIZE_BLOCK)
     return out
@@ -114,10 +118,8 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor | None, penalties: torch
 # %% ../nbs/09a_sampler.ipynb #76495cc9
 def apply_penalties(logits: torch.Tensor, p: LogitsProcessors) -> torch.Tensor:
     "`logits` [S, V] as fp32 with the repetition, frequency and presence penalties of `p` applied (a new tensor)."
-    S, V = logits.shape
-    counts = penalty_counts(p, S, V, logits.device)
-    if logits.is_cuda: return penalize(logits, counts, p.penalties, None)
-    return penalize_ref(logits.float(), counts, p.penalties)
+    if logits.is_cuda: return penalize(logits, p.counts, p.slots, p.penalties, None)
+    return penalize_ref(logits.float(), p.counts[p.slots], p.penalties)
 
 # %% ../nbs/09a_sampler.ipynb #fc0b637e
 def apply_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -135,10 +137,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/09a_sampler.ipynb #39cde0af
 def process_logits(logits: torch.Tensor, p: LogitsProcessors) -> torch.Tensor:
     "`logits` [S, V] as fp32 with every stage `p` holds applied (a new tensor; on a GPU penalties and mask in one pass)."
-    S, V = logits.shape
     if logits.is_cuda and (p.penalties is not None or p.bitmask is not None) and logits.stride(-1) == 1:
-        counts = penalty_counts(p, S, V, logits.device) if p.penalties is not None else None
-        out = penalize(logits, counts, p.penalties, p.bitmask)
+        counts = p.counts if p.penalties is not None else None
+        out = penalize(logits, counts, p.slots, p.penalties, p.bitmask)
         if p.bias_rows is not None: apply_bias(out, p.bias_rows, p.bias_ids, p.bias_values)   # -inf + bias stays -inf
         return out
     x = logits.float()
@@ -151,9 +152,8 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessors) -> torch.Tensor:
 
 def apply_min_p(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     "Drop tokens whose probability is below `min_p` times the row's largest (the largest always stays)."
-    probs = scaled.softmax(dim=-1)                                                        # [S, V]
-    keep = probs >= min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
-    return scaled.masked_fill(~keep, -math.inf)
+    floor = scaled.amax(dim=-1, keepdim=True) + min_ps.log()[:, None]                     # [S, 1]; min_p 0: -inf
+    return scaled.masked_fill(scaled < floor, -math.inf)
 
 # %% ../nbs/09a_sampler.ipynb #4d802219
 @dataclass
@@ -169,6 +169,53 @@ class SamplingMetadata:
     processors: LogitsProcessors | None = None   # penalties, bias, masks, min-p: None when no row asks
     num_logprobs: int = -1       # -1: no logprobs; k >= 0: each row's sampled token's logprob and the top k
 
+# %% ../nbs/09a_sampler.ipynb #3c096d17
+def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+                      floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
+    """[S] tokens: arg-max of `scores` / temperature (`scale`) over the `floors`, plus the seed rule's Gumbel noise;
+    rows of temperature 0 take the arg-max of `scores` as they are."""
+    x = scores.float()
+    s = x / temps.clamp_min(1e-5)[:, None] if scale else x
+    if floors is not None: s = s.masked_fill(s < floors[:, None], -math.inf)
+    gumbel = -torch.log(-torch.log(hash_uniform(seeds, offsets, x.shape[-1])))
+    return torch.where(temps[:, None] > 0, s + gumbel, x).argmax(dim=-1)
+
+# %% ../nbs/09a_sampler.ipynb #eeffc71d
+@triton.jit
+def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, best_ptr, where_ptr, V, x_stride,
+                         num_blocks, golden, mix1, mix2, SCALE: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row, block = tl.program_id(0), tl.program_id(1)
+    j = block * BLOCK + tl.arange(0, BLOCK)
+    inside = j < V
+    x = tl.load(x_ptr + row * x_stride + j, mask=inside, other=float("-inf")).to(tl.float32)
+    t = tl.load(temps_ptr + row)
+    s = x / tl.maximum(t, 1e-5) if SCALE else x
+    if HAS_FLOOR: s = tl.where(s >= tl.load(floors_ptr + row), s, float("-inf"))
+    h = (tl.load(seeds_ptr + row) * golden + tl.load(offsets_ptr + row)) * mix2 + j.to(tl.int64) * golden
+    h = (h ^ ((h >> 30) & 0x3FFFFFFFF)) * mix1              # `hash_uniform`'s mixer; `& ...`: a logical shift
+    h = (h ^ ((h >> 27) & 0x1FFFFFFFFF)) * mix2
+    h = h ^ ((h >> 31) & 0x1FFFFFFFF)
+    u = (((h >> 41) & 0x7FFFFF).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    score = tl.where(inside, tl.where(t > 0, s - tl.log(-tl.log(u)), x), float("-inf"))
+    tl.store(best_ptr + row * num_blocks + block, tl.max(score, axis=0))
+    tl.store(where_ptr + row * num_blocks + block, block * BLOCK + tl.argmax(score, axis=0))
+
+# %% ../nbs/09a_sampler.ipynb #1eca7820
+_DRAW_BLOCK = 4096
+
+def gumbel_argmax(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+                  floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
+    "`gumbel_argmax_ref` in one kernel and a reduction over its blocks (`scores` [S, V], rows contiguous)."
+    S, V = scores.shape
+    num_blocks = triton.cdiv(V, _DRAW_BLOCK)
+    best = torch.empty(S, num_blocks, dtype=torch.float32, device=scores.device)
+    where = torch.empty(S, num_blocks, dtype=torch.int64, device=scores.device)
+    gumbel_argmax_kernel[(S, num_blocks)](scores, temps, seeds, offsets, best if floors is None else floors, best,
+                                          where, V, scores.stride(0), num_blocks, _GOLDEN, _MIX1, _MIX2, SCALE=scale,
+                                          HAS_FLOOR=floors is not None, BLOCK=_DRAW_BLOCK)
+    return where.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)           # the first largest block
+
 # %% ../nbs/09a_sampler.ipynb #0de22ea7
 def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     "Top-k and top-p by one sort: what stays keeps its value, the rest is -inf."
@@ -179,19 +226,28 @@ def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     keep &= (rank < m.top_ks[:, None]) | (m.top_ks[:, None] == 0)                         # top-k
     return torch.full_like(scaled, -math.inf).scatter(1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
+# %% ../nbs/09a_sampler.ipynb #af657f62
+def _draw(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    "Each row's Gumbel-max draw (greedy rows: the arg-max); one fused kernel on a GPU unless top-k/top-p need a sort."
+    draw = gumbel_argmax if logits.is_cuda else gumbel_argmax_ref
+    min_ps = m.processors.min_ps if m.processors is not None else None
+    temps = m.temperatures.clamp_min(1e-5)
+    if not m.any_filter:
+        floors = None if min_ps is None else logits.amax(dim=-1).float() / temps + min_ps.log()      # [S]
+        return draw(logits, m.temperatures, m.seeds, m.offsets, floors)
+    scaled = logits.float() / temps[:, None]
+    if min_ps is not None: scaled = apply_min_p(scaled, min_ps)
+    return draw(_filter_top(scaled, m), m.temperatures, m.seeds, m.offsets, scale=False)
+
 
 def sample(logits: torch.Tensor, m: SamplingMetadata, fast_argmax: bool = True) -> torch.Tensor:
-    "One token id per row of `logits` [S, V] (fp32, or the model's dtype: scaled in fp32, the argmax as they are)."
+    """One token id per row of `logits` [S, V] (fp32, or the model's dtype: scaled in fp32, the argmax as they are);
+    each penalised row's token is counted into its slot."""
     p = m.processors
     if p is not None: logits = process_logits(logits, p)
-    greedy = _argmax(logits, fast_argmax)
-    if m.all_greedy: return greedy
-    scaled = logits / m.temperatures.clamp_min(1e-5)[:, None]
-    if p is not None and p.min_ps is not None: scaled = apply_min_p(scaled, p.min_ps)
-    if m.any_filter: scaled = _filter_top(scaled, m)
-    gumbel = -torch.log(-torch.log(hash_uniform(m.seeds, m.offsets, logits.shape[-1])))
-    drawn = _argmax(scaled + gumbel, fast_argmax)
-    return torch.where(m.temperatures == 0, greedy, drawn)
+    tokens = _argmax(logits, fast_argmax) if m.all_greedy else _draw(logits, m)
+    if p is not None and p.slots is not None: count_tokens(p.counts, p.slots, tokens)
+    return tokens
 
 # %% ../nbs/09a_sampler.ipynb #312dc24d
 def topk_rows(x: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

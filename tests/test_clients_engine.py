@@ -11,7 +11,7 @@ import torch
 from helpers import (assert_all_free, build_tokenizer_source, hf_logits, make_checkpoint, quiet_transformers,
                      random_prompt, torch_threads)
 from nanoserve.engine import LLM, SamplingParams
-from nanoserve.sampler import LogitsProcessors, SamplingMetadata, apply_penalties, sample
+from nanoserve.sampler import LogitsProcessors, SamplingMetadata, apply_penalties, reset_slots, sample
 from nanoserve.structured import StructuredOutputs
 
 
@@ -115,10 +115,12 @@ def test_penalties_formula():
     out_ids = [[1, 1, 5], [], [7]]
     prompt_ids = [[2], [3, 4], []]
     pen = torch.tensor([[0.3, 0.7, 1.5], [0.0, 0.0, 2.0], [-0.5, 1.0, 1.0]])
-    rows = [j for j, o in enumerate(out_ids) for _ in o]
-    p = LogitsProcessors(penalties=pen, output_rows=torch.tensor(rows), output_ids=torch.tensor(sum(out_ids, [])),
-                         prompt_rows=torch.tensor([j for j, o in enumerate(prompt_ids) for _ in o]),
-                         prompt_ids=torch.tensor(sum(prompt_ids, [])))
+    counts = torch.zeros(4, 40)                               # slots 0-2 and the scratch slot
+    slots = torch.tensor([2, 0, 1])                           # the rows' slots, in another order
+    rows = [slots[j].item() for j, o in enumerate(out_ids) for _ in o] + [slots[j].item() for j, o in enumerate(prompt_ids) for _ in o]
+    values = [1.0] * sum(map(len, out_ids)) + [0.5] * sum(map(len, prompt_ids))
+    reset_slots(counts, slots, torch.tensor(rows), torch.tensor(sum(out_ids, []) + sum(prompt_ids, [])), torch.tensor(values))
+    p = LogitsProcessors(penalties=pen.T.contiguous(), counts=counts, slots=slots)
     got = apply_penalties(logits.clone(), p)
     ref = logits.clone()
     for j in range(3):
