@@ -1,14 +1,19 @@
 """Issue 26's targets (what real clients send) on the H200, the 0.5B shape with random weights.
 
 Run on the device machine from the repo root:
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/clients_h200.py --out $OUT [--parts penalties,structured,fork,server]
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/clients_h200.py --out $OUT [--parts check,penalties,...]
 Writes clients_h200.json (raw numbers, git sha, GPU, versions, date, the command) to --out after every part.
 
 Parts, each checked before it is timed, A and B interleaved (each round alternates which goes first):
+0. check: one fp32 batch that asks for every client feature (penalties with logprobs, seeded top-p with min-p,
+   n = 4, logit bias with min_tokens, a JSON schema, prompt logprobs with the top 20, repetition, top-k with a
+   frequency penalty) through an eager synchronous engine, a graphed asynchronous one, and the same with the
+   sampler run eagerly: the same tokens and logprobs (within 1e-3) from all three.
 1. penalties: ms per `LLM.step()` in steady decode with presence 0.5 + frequency 0.5 + repetition 1.1 penalties
    and logprobs=5 on every row, against the same requests without them (temperature 1, EOS ignored), at batch 64
-   and batch 1; the ratio against the targets (at most 1.10 at batch 64, 1.15 at batch 1). The check: every row's
-   new token came back with its logprob and a top 5.
+   and batch 1; the ratio against the targets (at most 1.10 at batch 64, 1.15 at batch 1), with the sampler of
+   replayed steps as a CUDA graph (the default) and run eagerly (`sampler_graphs=False`, the control): four cells
+   interleaved. The check: every row's new token came back with its logprob and a top 5.
 2. structured: JSON-schema constrained decoding at batch 64 against unconstrained on the same 64 prompts: output
    tokens/s over the decode steps that ran the full batch (a constrained row finishes when its JSON closes; the
    step ledger's full-batch steps compare like with like), and end to end; the target: at most 15% fewer tokens/s.
@@ -66,6 +71,7 @@ def typical_schema(i) -> dict:
 class Settings:
     "The run's sizes: the H200's, or tiny ones under --smoke."
     def __init__(self, smoke: bool):
+        self.smoke = smoke
         self.batches = (4, 1) if smoke else (64, 1)
         self.steps, self.rounds = (3, 2) if smoke else (100, 4)
         self.prompt_len, self.max_tokens = (16, 64) if smoke else (128, 1024)
@@ -101,31 +107,85 @@ def timed_steps(llm, steps: int) -> tuple[float, list]:
     return (time.perf_counter() - t0) / steps * 1e3, outs
 
 
+# ---- 0. correctness on the GPU ------------------------------------------------------------------------------------
+def check_requests(llm, s: Settings) -> tuple[list, list]:
+    "One batch that asks for every client feature: (prompts, params)."
+    prompts = random_prompts(llm, 8, s.prompt_len // 4, seed=3)
+    n = 8 if s.smoke else 24
+    spec = StructuredOutputs(json=json.dumps(THROUGHPUT_SCHEMA))
+    params = [SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True, **PENALIZED),
+              SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, min_p=0.05, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=n, temperature=1.0, n=4, seed=3, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=n, temperature=0.0, logit_bias={7: 5.0, 9: -100.0}, min_tokens=n // 2),
+              SamplingParams(max_tokens=n, temperature=1.0, seed=4, structured_outputs=spec),
+              SamplingParams(max_tokens=n, temperature=0.0, prompt_logprobs=2, logprobs=20),
+              SamplingParams(max_tokens=n, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=n, temperature=0.7, top_k=20, frequency_penalty=1.0, seed=5, ignore_eos=True)]
+    return prompts, params
+
+
+def check(model_dir, s: Settings, res: dict, dtype: str) -> None:
+    "Every client feature in one batch, fp32: eager and synchronous, graphed and asynchronous (the sampler graphed or not)."
+    engines = {"eager_sync": dict(enforce_eager=True, async_scheduling=False), "graphs_async": {},
+               "graphs_async_eager_sampler": dict(sampler_graphs=False)}
+    outs = {}
+    for name, kw in engines.items():
+        llm = LLM(model_dir, dtype="float32", **s.engine, **kw)
+        prompts, params = check_requests(llm, s)
+        outs[name] = [(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs or []],
+                       [lp.logprob for lp in (o.prompt_logprobs or [])[1:]]) for o in llm.generate(prompts, params)]
+        replays = llm.runner.sampler_graphs.graphs if llm.runner.sampler_graphs else {}
+        res.setdefault("check", {})[name + "_sampler_graphs_captured"] = len(replays)
+        drain(llm); del llm; free()
+    ref = outs["eager_sync"]
+    rows = {}
+    for name in ("graphs_async", "graphs_async_eager_sampler"):
+        same_tokens = sum(a[0] == b[0] for a, b in zip(outs[name], ref))
+        lp_err = max([abs(x[1] - y[1]) for a, b in zip(outs[name], ref) for x, y in zip(a[1], b[1])] +
+                     [abs(x - y) for a, b in zip(outs[name], ref) for x, y in zip(a[2], b[2])] + [0.0])
+        rows[name] = {"outputs": len(ref), "same_tokens": same_tokens, "max_logprob_abs_err": lp_err}
+        assert same_tokens == len(ref) and lp_err < 1e-3, (name, rows[name])
+    res["check"].update(rows=rows, dtype="float32")
+    print("check", rows, flush=True)
+
+
 # ---- 1. penalties and logprobs -----------------------------------------------------------------------------------
 def penalties(model_dir, s: Settings, res: dict, dtype: str) -> None:
-    llm = LLM(model_dir, dtype=dtype, **s.engine)
+    "Plain against penalised steps, with the sampler replayed as a graph (the default) and run eagerly (the control)."
+    engines = {"sampler_graphs": LLM(model_dir, dtype=dtype, **s.engine),
+               "eager_sampler": LLM(model_dir, dtype=dtype, sampler_graphs=False, **s.engine)}
     plain = SamplingParams(max_tokens=s.max_tokens, temperature=1.0, ignore_eos=True)
     configs = {"plain": plain, "penalties_logprobs5": replace(plain, **PENALIZED)}
+    cells = [(e, c) for e in engines for c in configs]
     rows = []
     for b in s.batches:
-        prompts = random_prompts(llm, b, s.prompt_len, seed=b)
-        steady(llm, prompts, configs["penalties_logprobs5"])              # check: logprobs and a top 5 on every row
-        _, outs = timed_steps(llm, 2)
-        assert len(outs) == b and all(o.logprobs and len(o.logprobs[-1].top) == 5 for o in outs), outs[:1]
-        times = {k: [] for k in configs}
+        prompts = random_prompts(engines["sampler_graphs"], b, s.prompt_len, seed=b)
+        for llm in engines.values():
+            steady(llm, prompts, configs["penalties_logprobs5"])            # check: logprobs and a top 5 on every row
+            _, outs = timed_steps(llm, 2)
+            assert len(outs) == b and all(o.logprobs and len(o.logprobs[-1].top) == 5 for o in outs), outs[:1]
+        times = {f"{e}/{c}": [] for e, c in cells}
         for r in range(s.rounds):
-            for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
-                steady(llm, prompts, configs[name]); warm(llm.device, s.warm_s)
+            for e, c in (cells if r % 2 == 0 else cells[::-1]):
+                llm = engines[e]
+                steady(llm, prompts, configs[c]); warm(llm.device, s.warm_s)
                 timed_steps(llm, s.steps)                                   # the pipeline full, then timed
-                times[name].append(timed_steps(llm, s.steps)[0])
-        ratio = median(times["penalties_logprobs5"]) / median(times["plain"])
+                times[f"{e}/{c}"].append(timed_steps(llm, s.steps)[0])
+            for llm in engines.values(): drain(llm)
+        med = {k: median(v) for k, v in times.items()}
+        ratio = med["sampler_graphs/penalties_logprobs5"] / med["sampler_graphs/plain"]
         target = 1.10 if b >= 64 else 1.15
-        rows.append({"batch": b, "ms_per_step": times, "median_ms": {k: median(v) for k, v in times.items()},
-                     "ratio": ratio, "target_ratio": target, "meets_target": ratio <= target})
-        print("penalties", rows[-1], flush=True)
+        rows.append({"batch": b, "ms_per_step": times, "median_ms": med, "ratio": ratio,
+                     "ratio_eager_sampler": med["eager_sampler/penalties_logprobs5"] / med["eager_sampler/plain"],
+                     "plain_graphs_over_eager": med["sampler_graphs/plain"] / med["eager_sampler/plain"],
+                     "penalised_graphs_over_eager": med["sampler_graphs/penalties_logprobs5"]
+                     / med["eager_sampler/penalties_logprobs5"],
+                     "target_ratio": target, "meets_target": ratio <= target})
+        print("penalties", {k: v for k, v in rows[-1].items() if k != "ms_per_step"}, flush=True)
     res["penalties"] = {"params": PENALIZED, "temperature": 1.0, "prompt_len": s.prompt_len, "steps": s.steps,
                         "rounds": s.rounds, "rows": rows}
-    drain(llm); del llm; free()
+    for llm in engines.values(): drain(llm)
+    del engines, llm; free()
 
 
 # ---- 2. structured output ----------------------------------------------------------------------------------------
@@ -299,13 +359,14 @@ def server(model_dir, s: Settings, res: dict, dtype: str, device: str) -> None:
 
 
 def main():
-    args = parser(__doc__, parts="penalties,structured,fork,server").parse_args()
+    args = parser(__doc__, parts="check,penalties,structured,fork,server").parse_args()
     device = device_or_skip(args)
     smoke, dtype = is_smoke(args), dtype_of(args)
     s = Settings(smoke)
     model_dir, shape = checkpoint("0.5B", args)
     res = {"shape": shape, "dtype": dtype, "device": str(device)}
-    parts = {"penalties": lambda: penalties(model_dir, s, res, dtype),
+    parts = {"check": lambda: check(model_dir, s, res, dtype),
+             "penalties": lambda: penalties(model_dir, s, res, dtype),
              "structured": lambda: structured(model_dir, s, res, dtype),
              "fork": lambda: fork(model_dir, s, res, dtype),
              "server": lambda: server(model_dir, s, res, dtype, device.type)}

@@ -169,7 +169,7 @@ class SamplingMetadata:
     processors: LogitsProcessors | None = None   # penalties, bias, masks, min-p: None when no row asks
     num_logprobs: int = -1       # -1: no logprobs; k >= 0: each row's sampled token's logprob and the top k
 
-# %% ../nbs/09a_sampler.ipynb #3c096d17
+# %% ../nbs/09a_sampler.ipynb #27c6feae
 def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                       floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
     """[S] tokens: arg-max of `scores` / temperature (`scale`) over the `floors`, plus the seed rule's Gumbel noise;
@@ -180,7 +180,7 @@ def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Te
     gumbel = -torch.log(-torch.log(hash_uniform(seeds, offsets, x.shape[-1])))
     return torch.where(temps[:, None] > 0, s + gumbel, x).argmax(dim=-1)
 
-# %% ../nbs/09a_sampler.ipynb #eeffc71d
+# %% ../nbs/09a_sampler.ipynb #b79166ae
 @triton.jit
 def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, best_ptr, where_ptr, V, x_stride,
                          num_blocks, golden, mix1, mix2, SCALE: tl.constexpr, HAS_FLOOR: tl.constexpr,
@@ -190,7 +190,8 @@ def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, b
     inside = j < V
     x = tl.load(x_ptr + row * x_stride + j, mask=inside, other=float("-inf")).to(tl.float32)
     t = tl.load(temps_ptr + row)
-    s = x / tl.maximum(t, 1e-5) if SCALE else x
+    s = x
+    if SCALE: s = x / tl.maximum(t, 1e-5)
     if HAS_FLOOR: s = tl.where(s >= tl.load(floors_ptr + row), s, float("-inf"))
     h = (tl.load(seeds_ptr + row) * golden + tl.load(offsets_ptr + row)) * mix2 + j.to(tl.int64) * golden
     h = (h ^ ((h >> 30) & 0x3FFFFFFFF)) * mix1              # `hash_uniform`'s mixer; `& ...`: a logical shift
@@ -201,7 +202,7 @@ def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, b
     tl.store(best_ptr + row * num_blocks + block, tl.max(score, axis=0))
     tl.store(where_ptr + row * num_blocks + block, block * BLOCK + tl.argmax(score, axis=0))
 
-# %% ../nbs/09a_sampler.ipynb #1eca7820
+# %% ../nbs/09a_sampler.ipynb #75fe9c06
 _DRAW_BLOCK = 4096
 
 def gumbel_argmax(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
@@ -226,7 +227,7 @@ def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     keep &= (rank < m.top_ks[:, None]) | (m.top_ks[:, None] == 0)                         # top-k
     return torch.full_like(scaled, -math.inf).scatter(1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
-# %% ../nbs/09a_sampler.ipynb #af657f62
+# %% ../nbs/09a_sampler.ipynb #9bd74b84
 def _draw(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     "Each row's Gumbel-max draw (greedy rows: the arg-max); one fused kernel on a GPU unless top-k/top-p need a sort."
     draw = gumbel_argmax if logits.is_cuda else gumbel_argmax_ref
