@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import math
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 import torch
@@ -16,8 +17,8 @@ from .scheduler import Sequence, Step
 from .structured import StructuredOutputs
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'SamplingParams', 'partial_setattr', 'TokenLogprob', 'RequestOutput', 'Choice', 'new_choice',
-           'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'grammar_bitmask']
+__all__ = ['MAX_LOGPROBS', 'SamplingParams', 'partial_setattr', 'TokenLogprob', 'LogprobRows', 'RequestOutput', 'Choice',
+           'new_choice', 'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'grammar_bitmask']
 
 # %% ../nbs/11a_params.ipynb #6cda9f6e
 MAX_LOGPROBS = 20     # the most log-probabilities a position returns (OpenAI's chat limit)
@@ -118,6 +119,28 @@ class TokenLogprob:
     rank: int                                # 1: the most likely token
     top: list[tuple[int, float]] = field(default_factory=list)   # the k most likely (id, logprob), most likely first
 
+# %% ../nbs/11a_params.ipynb #d3c9176b
+class LogprobRows(SequenceABC):
+    "A choice's `TokenLogprob`s, kept as the device's rows and made when read; `view()` is a fixed-length snapshot."
+    def __init__(self, k: int, token_ids: list | None = None, rows: list | None = None, n: int | None = None):
+        self.k, self._ids, self._rows = k, [] if token_ids is None else token_ids, [] if rows is None else rows
+        self._n = n
+
+    def __len__(self) -> int: return len(self._rows) if self._n is None else self._n
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice): return [self[j] for j in range(*i.indices(n))]
+        if not -n <= i < n: raise IndexError(f"logprob {i} of {n}")
+        row = self._rows[i % n]
+        K = (len(row) - 2) // 2                                   # the step's k (at least this choice's)
+        return TokenLogprob(self._ids[i % n], row[0], int(row[1]), [(int(row[2 + K + j]), row[2 + j]) for j in range(min(self.k, K))])
+
+    def append(self, token_id: int, row: list) -> None: self._ids.append(token_id); self._rows.append(row)
+    def view(self) -> LogprobRows: return LogprobRows(self.k, self._ids, self._rows, len(self._rows))
+    def __eq__(self, other) -> bool: return isinstance(other, SequenceABC) and list(self) == list(other)
+    def __repr__(self) -> str: return f"LogprobRows({list(self)!r})"
+
 # %% ../nbs/11a_params.ipynb #7859fd9c
 @dataclass
 class RequestOutput:
@@ -140,7 +163,7 @@ class RequestOutput:
     index: int = 0                                           # which of the request's choices
     request_finished: bool = False                           # every choice of the request is finished
     num_prefill_tokens: int = 0                              # prompt tokens this choice computed (forks share)
-    logprobs: list[TokenLogprob] | None = None               # one per output token, when asked
+    logprobs: SequenceABC[TokenLogprob] | None = None        # one per output token, when asked (`LogprobRows`)
     prompt_logprobs: list[TokenLogprob | None] | None = None # one per prompt token (the first None), when asked
     cumulative_logprob: float | None = None
 
@@ -160,15 +183,15 @@ class Choice:
     matcher: object | None = None            # a `GrammarMatcher` (structured outputs)
     needs_logprob: bool = False              # best_of ranks choices by their cumulative logprob
     penalty_slot: int = -1                   # its row of the device's penalty counts (-1: none yet)
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: LogprobRows | None = None
     prompt_logprobs: list | None = None      # [None, ...]: the choice that scores the prompt
     num_prompt_asked: int = 0                # prompt positions asked to be scored (steps in flight included)
     cumulative_logprob: float = 0.0
 
+    penalties: tuple = (0.0, 0.0, 1.0)       # (presence, frequency, repetition): its row of a step's penalties
+
     @property
-    def penalised(self) -> bool:
-        p = self.params
-        return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+    def penalised(self) -> bool: return self.penalties != (0.0, 0.0, 1.0)
 
     @property
     def needs_extras(self) -> bool:
@@ -188,11 +211,12 @@ def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index
                scores_prompt: bool = False, cls: type = Choice, **fields) -> Choice:
     "A choice (of class `cls`, with `fields`), with the state its parameters need made up front."
     c = cls(seq, params, sampling_row, index, matcher, needs_logprob=params.num_choices > params.n, **fields)
-    if params.logprobs is not None: c.logprobs = []
+    c.penalties = (float(params.presence_penalty), float(params.frequency_penalty), float(params.repetition_penalty))
+    if params.logprobs is not None: c.logprobs = LogprobRows(params.logprobs)
     if scores_prompt and params.prompt_logprobs is not None: c.prompt_logprobs = [None]
     return c
 
-# %% ../nbs/11a_params.ipynb #b5e216eb
+# %% ../nbs/11a_params.ipynb #e03b56e2
 class PenaltySlots:
     "Which penalised choice holds which row of the device's penalty counts; row `num_slots` is the scratch slot."
     def __init__(self, num_slots: int):
@@ -228,7 +252,7 @@ def _start_slot(e: SamplingExtras, c: Choice, slot: int) -> None:
 def _penalties(e: SamplingExtras, sampled: list[Choice], slots: PenaltySlots) -> None:
     "Penalties and slots per row; a penalised choice without a slot takes one and starts it."
     if not any(c.penalised for c in sampled): return
-    e.penalties = [(c.params.presence_penalty, c.params.frequency_penalty, c.params.repetition_penalty) for c in sampled]
+    e.penalties = [c.penalties for c in sampled]
     e.scratch_slot, e.penalty_slots = slots.scratch, []
     for c in sampled:
         if c.penalised and c.penalty_slot < 0: _start_slot(e, c, slots.take(c, sampled))
@@ -237,6 +261,7 @@ def _penalties(e: SamplingExtras, sampled: list[Choice], slots: PenaltySlots) ->
 
 def _bias(e: SamplingExtras, sampled: list[Choice]) -> None:
     for j, c in enumerate(sampled):
+        if not c.params.logit_bias and not c.params.min_tokens: continue
         pairs = list(c.params.logit_bias)
         if len(c.seq.output_token_ids) < c.params.min_tokens:
             pairs += [(t, -math.inf) for t in sorted(c.seq.stop_token_ids)]
@@ -267,19 +292,18 @@ def step_extras(step: Step, choices: dict, slots: PenaltySlots) -> tuple[Samplin
     sampled = [choices[s.seq_id] for s in step.seqs if s.sample]
     e = SamplingExtras()
     _penalties(e, sampled, slots)
-    _bias(e, sampled)
+    if any(c.params.logit_bias or c.params.min_tokens for c in sampled): _bias(e, sampled)
     if any(c.params.min_p > 0 for c in sampled): e.min_ps = [c.params.min_p for c in sampled]
     e.num_logprobs = max((c.num_logprobs for c in sampled), default=-1)
     plan = _prompt_rows(e, step, choices)
     return (None if e == SamplingExtras() else e), plan
 
 # %% ../nbs/11a_params.ipynb #33603788
-def record_token(c: Choice, token: int, lp: tuple | None) -> None:
-    "A token the scheduler kept for `c`, with its (logprob, rank, top) when the step computed them."
-    if lp is not None and c.num_logprobs >= 0:
-        logprob, rank, top = lp
-        c.cumulative_logprob += logprob
-        if c.logprobs is not None: c.logprobs.append(TokenLogprob(token, logprob, rank, top[:c.params.logprobs]))
+def record_token(c: Choice, token: int, row: list | None) -> None:
+    "A token the scheduler kept for `c`, with its logprob row (`token_logprobs`' layout) when the step computed one."
+    if row is not None and c.num_logprobs >= 0:
+        c.cumulative_logprob += row[0]
+        if c.logprobs is not None: c.logprobs.append(token, row)
 
 
 def record_prompt(plan: list, entries: list) -> None:

@@ -425,7 +425,7 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
 
-# %% ../nbs/10_runner.ipynb #c06e36e5
+# %% ../nbs/10_runner.ipynb #e620753c
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
 
 
@@ -449,7 +449,7 @@ class SamplerGraphs:
     def key(self, x: StepInputs, has_mask: bool) -> tuple:
         return (x.sample_rows, x.all_greedy, x.any_filter, x.has_min_p, x.has_penalties, has_mask, x.num_logprobs)
 
-# %% ../nbs/10_runner.ipynb #a81e7bcc
+# %% ../nbs/10_runner.ipynb #37383bb0
 def _sample_static(self: SamplerGraphs, key: tuple, counts: torch.Tensor | None) -> None:
     "The captured work: `sample` (and `token_logprobs`) over the first `rows` rows of the static buffers."
     rows, greedy, any_filter, min_p, penalties, mask, k = key
@@ -476,7 +476,7 @@ def _capture_sampler(self: SamplerGraphs, key: tuple, counts: torch.Tensor | Non
 
 SamplerGraphs._sample_static, SamplerGraphs._capture = _sample_static, _capture_sampler
 
-# %% ../nbs/10_runner.ipynb #72fef5ff
+# %% ../nbs/10_runner.ipynb #c6571ea5
 def _run_sampler(self: SamplerGraphs, x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
                  counts: torch.Tensor | None, bitmask: torch.Tensor | None):
     "Load a step's sampling block (and mask) and replay its graph: (tokens [n], logprobs [n, 2 + 2k] or None)."
@@ -628,7 +628,7 @@ class Launched:
     tokens: torch.Tensor | None = None    # on the device (a CPU: the tokens), then the pinned host copy
     floats: torch.Tensor | None = None    # the copied-back logprob floats
     done: object = None                   # the copy's CUDA event
-    logprobs: list | None = None          # after `wait`: `unpack_logprobs` of each sampled row
+    logprobs: list | None = None          # after `wait`: each sampled row's floats (`token_logprobs`' layout)
     prompt_logprobs: list | None = None   # and of each scored prompt row
     dev: tuple = ()                       # the step's one copy on the device: (ints, floats)
 
@@ -695,7 +695,7 @@ def _sample_eager(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor 
 
 RunnerLaunch.sample_launched, RunnerLaunch._sample_eager = sample_launched, _sample_eager
 
-# %% ../nbs/10_runner.ipynb #2c7d6547
+# %% ../nbs/10_runner.ipynb #28fe2df8
 def _span_events(self: RunnerLaunch, ledger_row: dict | None):
     "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
     if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None
@@ -739,7 +739,7 @@ def _unpack_floats(launched: Launched, flat: list[float]) -> None:
     if x.num_logprobs >= 0:
         w = 2 + 2 * x.num_logprobs
         n = x.num_sampled * w
-        launched.logprobs = unpack_logprobs([flat[i:i + w] for i in range(0, n, w)], x.num_logprobs)
+        launched.logprobs = [flat[i:i + w] for i in range(0, n, w)]          # rows: `token_logprobs`' layout
         flat = flat[n:]
     if x.prompt_lp_k >= 0:
         w = 2 + 2 * x.prompt_lp_k
