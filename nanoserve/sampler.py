@@ -17,8 +17,9 @@ from .fused import argmax_rows
 # %% auto #0
 __all__ = ['hash_uniform', 'LogitsProcessors', 'reset_slots', 'count_tokens', 'penalize_ref', 'penalize_kernel', 'penalize',
            'apply_penalties', 'apply_bias', 'apply_bitmask', 'process_logits', 'apply_min_p', 'SamplingMetadata',
-           'gumbel_argmax_ref', 'gumbel_argmax_kernel', 'gumbel_argmax', 'sample', 'topk_rows', 'token_logprobs',
-           'unpack_logprobs']
+           'gumbel_argmax_ref', 'gumbel_argmax_kernel', 'gumbel_pick_kernel', 'gumbel_argmax', 'sample', 'topk_rows',
+           'token_logprobs_ref', 'logprob_stats_kernel', 'logprob_rows_kernel', 'token_logprobs_fused',
+           'token_logprobs', 'unpack_logprobs']
 
 # %% ../nbs/09a_sampler.ipynb #bf49c9c3
 def _i64(x: int) -> int: return x - (1 << 64) if x >= 1 << 63 else x
@@ -169,7 +170,7 @@ class SamplingMetadata:
     processors: LogitsProcessors | None = None   # penalties, bias, masks, min-p: None when no row asks
     num_logprobs: int = -1       # -1: no logprobs; k >= 0: each row's sampled token's logprob and the top k
 
-# %% ../nbs/09a_sampler.ipynb #27c6feae
+# %% ../nbs/09a_sampler.ipynb #df1ced57
 def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                       floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
     """[S] tokens: arg-max of `scores` / temperature (`scale`) over the `floors`, plus the seed rule's Gumbel noise;
@@ -180,7 +181,7 @@ def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Te
     gumbel = -torch.log(-torch.log(hash_uniform(seeds, offsets, x.shape[-1])))
     return torch.where(temps[:, None] > 0, s + gumbel, x).argmax(dim=-1)
 
-# %% ../nbs/09a_sampler.ipynb #b79166ae
+# %% ../nbs/09a_sampler.ipynb #d9d020a8
 @triton.jit
 def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, best_ptr, where_ptr, V, x_stride,
                          num_blocks, golden, mix1, mix2, SCALE: tl.constexpr, HAS_FLOOR: tl.constexpr,
@@ -202,12 +203,25 @@ def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, b
     tl.store(best_ptr + row * num_blocks + block, tl.max(score, axis=0))
     tl.store(where_ptr + row * num_blocks + block, block * BLOCK + tl.argmax(score, axis=0))
 
-# %% ../nbs/09a_sampler.ipynb #75fe9c06
+# %% ../nbs/09a_sampler.ipynb #5ae62bd3
+@triton.jit
+def gumbel_pick_kernel(best_ptr, where_ptr, out_ptr, counts_ptr, slots_ptr, V, num_blocks,
+                       HAS_COUNTS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    row = tl.program_id(0)
+    b = tl.arange(0, NUM_BLOCKS)
+    best = tl.load(best_ptr + row * num_blocks + b, mask=b < num_blocks, other=float("-inf"))
+    token = tl.load(where_ptr + row * num_blocks + tl.argmax(best, axis=0))       # the first largest block's
+    tl.store(out_ptr + row, token)
+    if HAS_COUNTS: tl.atomic_add(counts_ptr + tl.load(slots_ptr + row) * V + token, 1.0)
+
+# %% ../nbs/09a_sampler.ipynb #f7ff130c
 _DRAW_BLOCK = 4096
 
 def gumbel_argmax(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
-                  floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
-    "`gumbel_argmax_ref` in one kernel and a reduction over its blocks (`scores` [S, V], rows contiguous)."
+                  floors: torch.Tensor | None = None, scale: bool = True, counts: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
+    """`gumbel_argmax_ref` in two kernels (`scores` [S, V], rows contiguous); with `counts` and `slots`, each row's
+    token is counted into its slot (`count_tokens`) in the second."""
     S, V = scores.shape
     num_blocks = triton.cdiv(V, _DRAW_BLOCK)
     best = torch.empty(S, num_blocks, dtype=torch.float32, device=scores.device)
@@ -215,7 +229,10 @@ def gumbel_argmax(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
     gumbel_argmax_kernel[(S, num_blocks)](scores, temps, seeds, offsets, best if floors is None else floors, best,
                                           where, V, scores.stride(0), num_blocks, _GOLDEN, _MIX1, _MIX2, SCALE=scale,
                                           HAS_FLOOR=floors is not None, BLOCK=_DRAW_BLOCK)
-    return where.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)           # the first largest block
+    tokens = torch.empty(S, dtype=torch.int64, device=scores.device)
+    gumbel_pick_kernel[(S,)](best, where, tokens, best if counts is None else counts, where if slots is None else slots,
+                             V, num_blocks, HAS_COUNTS=counts is not None, NUM_BLOCKS=triton.next_power_of_2(num_blocks))
+    return tokens
 
 # %% ../nbs/09a_sampler.ipynb #0de22ea7
 def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -227,18 +244,25 @@ def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     keep &= (rank < m.top_ks[:, None]) | (m.top_ks[:, None] == 0)                         # top-k
     return torch.full_like(scaled, -math.inf).scatter(1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
-# %% ../nbs/09a_sampler.ipynb #9bd74b84
+# %% ../nbs/09a_sampler.ipynb #d995a446
 def _draw(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    "Each row's Gumbel-max draw (greedy rows: the arg-max); one fused kernel on a GPU unless top-k/top-p need a sort."
-    draw = gumbel_argmax if logits.is_cuda else gumbel_argmax_ref
-    min_ps = m.processors.min_ps if m.processors is not None else None
+    """Each row's Gumbel-max draw (greedy rows: the arg-max), penalised rows' tokens counted; on a GPU the fused
+    kernels, unless top-k/top-p need a sort first."""
+    p = m.processors
+    min_ps = p.min_ps if p is not None else None
+    counting = dict(counts=p.counts, slots=p.slots) if p is not None and p.slots is not None else {}
     temps = m.temperatures.clamp_min(1e-5)
     if not m.any_filter:
         floors = None if min_ps is None else logits.amax(dim=-1).float() / temps + min_ps.log()      # [S]
-        return draw(logits, m.temperatures, m.seeds, m.offsets, floors)
-    scaled = logits.float() / temps[:, None]
-    if min_ps is not None: scaled = apply_min_p(scaled, min_ps)
-    return draw(_filter_top(scaled, m), m.temperatures, m.seeds, m.offsets, scale=False)
+        args, scale = (logits, m.temperatures, m.seeds, m.offsets, floors), True
+    else:
+        scaled = logits.float() / temps[:, None]
+        if min_ps is not None: scaled = apply_min_p(scaled, min_ps)
+        args, scale = (_filter_top(scaled, m), m.temperatures, m.seeds, m.offsets), False
+    if logits.is_cuda: return gumbel_argmax(*args, scale=scale, **counting)
+    tokens = gumbel_argmax_ref(*args, scale=scale)
+    if counting: count_tokens(counting["counts"], counting["slots"], tokens)
+    return tokens
 
 
 def sample(logits: torch.Tensor, m: SamplingMetadata, fast_argmax: bool = True) -> torch.Tensor:
@@ -246,7 +270,8 @@ def sample(logits: torch.Tensor, m: SamplingMetadata, fast_argmax: bool = True) 
     each penalised row's token is counted into its slot."""
     p = m.processors
     if p is not None: logits = process_logits(logits, p)
-    tokens = _argmax(logits, fast_argmax) if m.all_greedy else _draw(logits, m)
+    if not m.all_greedy: return _draw(logits, m)
+    tokens = _argmax(logits, fast_argmax)
     if p is not None and p.slots is not None: count_tokens(p.counts, p.slots, tokens)
     return tokens
 
@@ -262,7 +287,7 @@ def topk_rows(x: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, 
     return values, (local.indices + offsets).reshape(S, -1).gather(1, where)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+def token_logprobs_ref(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
     "[S, 2 + 2k] fp32: logprob of `token_ids` under log-softmax(`logits` [S, V]), its rank, top-k logprobs, top-k ids."
     logprobs = logits.float().log_softmax(dim=-1)                                         # [S, V]
     chosen = logprobs.gather(1, token_ids[:, None])                                       # [S, 1]
@@ -270,6 +295,65 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tor
     top = topk_rows(logprobs, k) if k else None
     parts = [chosen, rank] + ([top[0], top[1].float()] if k else [])
     return torch.cat(parts, dim=1)
+
+# %% ../nbs/09a_sampler.ipynb #81a68661
+@triton.jit
+def logprob_stats_kernel(x_ptr, token_ptr, stats_ptr, V, x_stride, num_blocks, plane, BLOCK: tl.constexpr):
+    row, block = tl.program_id(0), tl.program_id(1)
+    j = block * BLOCK + tl.arange(0, BLOCK)
+    inside = j < V
+    x = tl.load(x_ptr + row * x_stride + j, mask=inside, other=float("-inf")).to(tl.float32)
+    xt = tl.load(x_ptr + row * x_stride + tl.load(token_ptr + row)).to(tl.float32)
+    m = tl.max(x, axis=0)
+    at = row * num_blocks + block                                  # stats [3, S, num_blocks]: max, sum, above
+    tl.store(stats_ptr + at, m)
+    tl.store(stats_ptr + plane + at, tl.sum(tl.where(inside, tl.exp(x - m), 0.0), axis=0))
+    tl.store(stats_ptr + 2 * plane + at, tl.sum((inside & (x > xt)).to(tl.float32), axis=0))
+
+
+@triton.jit
+def logprob_rows_kernel(x_ptr, token_ptr, stats_ptr, top_v_ptr, top_i_ptr, out_ptr, x_stride, num_blocks, plane, K,
+                        NUM_BLOCKS: tl.constexpr, K_POW2: tl.constexpr):
+    row = tl.program_id(0)
+    b = tl.arange(0, NUM_BLOCKS)
+    inside = b < num_blocks
+    m = tl.load(stats_ptr + row * num_blocks + b, mask=inside, other=float("-inf"))
+    s = tl.load(stats_ptr + plane + row * num_blocks + b, mask=inside, other=0.0)
+    top = tl.max(m, axis=0)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))        # the row's log-sum-exp
+    above = tl.sum(tl.load(stats_ptr + 2 * plane + row * num_blocks + b, mask=inside, other=0.0), axis=0)
+    xt = tl.load(x_ptr + row * x_stride + tl.load(token_ptr + row)).to(tl.float32)
+    out = out_ptr + row * (2 + 2 * K)
+    tl.store(out, xt - lse)
+    tl.store(out + 1, above + 1.0)
+    kk = tl.arange(0, K_POW2)
+    v = tl.load(top_v_ptr + row * K + kk, mask=kk < K, other=0.0).to(tl.float32)
+    ids = tl.load(top_i_ptr + row * K + kk, mask=kk < K, other=0)
+    tl.store(out + 2 + kk, v - lse, mask=kk < K)
+    tl.store(out + 2 + K + kk, ids.to(tl.float32), mask=kk < K)
+
+# %% ../nbs/09a_sampler.ipynb #ee7b8db7
+_LOGPROB_BLOCK = 4096
+
+def token_logprobs_fused(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    "`token_logprobs_ref` without the `[S, V]` log-softmax: the two kernels around `topk_rows` (rows contiguous)."
+    S, V = logits.shape
+    num_blocks = triton.cdiv(V, _LOGPROB_BLOCK)
+    stats = torch.empty(3, S, num_blocks, dtype=torch.float32, device=logits.device)
+    logprob_stats_kernel[(S, num_blocks)](logits, token_ids, stats, V, logits.stride(0), num_blocks, S * num_blocks,
+                                          BLOCK=_LOGPROB_BLOCK)
+    top_v, top_i = topk_rows(logits, k) if k else (stats, token_ids)              # (unused pointers when k = 0)
+    out = torch.empty(S, 2 + 2 * k, dtype=torch.float32, device=logits.device)
+    logprob_rows_kernel[(S,)](logits, token_ids, stats, top_v.contiguous(), top_i.contiguous(), out, logits.stride(0),
+                              num_blocks, S * num_blocks, k, NUM_BLOCKS=triton.next_power_of_2(num_blocks),
+                              K_POW2=triton.next_power_of_2(max(k, 1)))
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    "[S, 2 + 2k] fp32: the sampled (or scored) token's logprob and rank, the top-k logprobs and ids (fused on a GPU)."
+    fused = logits.is_cuda and logits.stride(-1) == 1
+    return token_logprobs_fused(logits, token_ids, k) if fused else token_logprobs_ref(logits, token_ids, k)
 
 
 def unpack_logprobs(rows: list[list[float]], k: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
