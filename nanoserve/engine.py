@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from concurrent.futures import ThreadPoolExecutor
 import itertools
 import json
 import math
@@ -24,8 +25,8 @@ from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
 from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
-from .params import (Choice, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, grammar_bitmask,
-                              new_choice, record_prompt, record_token, step_extras)
+from .params import (Choice, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
+                              record_prompt, record_token, start_grammar_bitmask, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
 from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
@@ -238,6 +239,8 @@ class EngineSetup:
         self.async_scheduling = self.device.type == "cuda" if async_ is None else bool(async_)
         self.block_size, self.seed = ec.cache.block_size, ec.load.seed
         self._inflight = None           # async scheduling: (step, launched) whose tokens are not back yet
+        self._launched = None           # and (step, launched) queued behind it, not yet advanced (constrained steps)
+        self._mask_pool = None          # the thread that fills grammar masks under async scheduling (made on first use)
         self.parallel = None            # tensor parallelism (its chapter): this process is rank 0
         self.ledger: StepLedger | None = None
         self._last_step_end: float | None = None
@@ -515,19 +518,24 @@ def _pack(self: EngineStep, step: Step):
     return x, plan
 
 
-def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
-    "The grammar bitmask of the step's sampled rows, or None (no constrained row)."
-    if not self._num_constrained: return None
-    grammars = self.grammar_compiler             # its `fill_bitmasks`: every row at once, on llguidance's threads
+def _start_bitmask(self: EngineStep, step: Step, pool=None):
+    "Start the grammar bitmask of the step's sampled rows (on `pool`'s thread if given); `finish()` gives it, or None."
+    if not self._num_constrained: return lambda: None
+    grammars = self.grammar_compiler             # every row at once, on llguidance's threads
     if self._mask_buffers is None:               # two, pinned on a GPU: a step's copy may be in flight while the next fills
         shape = (self.engine_config.batch.max_num_seqs, grammars.bitmask_width)
         self._mask_buffers = [torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
                               for _ in range(2)]
     self._mask_buffers.reverse()
-    return grammar_bitmask(step, self._requests, grammars.bitmask_width, grammars.fill_bitmasks,
-                           out=self._mask_buffers[0])
+    start = lambda pairs, bitmask: grammars.start_fill_bitmasks(pairs, bitmask, pool)
+    return start_grammar_bitmask(step, self._requests, grammars.bitmask_width, start, out=self._mask_buffers[0])
 
-EngineStep._sampling, EngineStep._pack, EngineStep._bitmask = _sampling, _pack, _bitmask
+
+def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
+    "The grammar bitmask of the step's sampled rows, filled now, or None (no constrained row)."
+    return self._start_bitmask(step)()
+
+EngineStep._sampling, EngineStep._pack, EngineStep._start_bitmask, EngineStep._bitmask = _sampling, _pack, _start_bitmask, _bitmask
 
 # %% ../nbs/12_engine.ipynb #e2f5f1c8
 def _kept(seq: Sequence, s, token: int) -> bool:
@@ -558,21 +566,35 @@ EngineStep._after_tokens = _after_tokens
 class EngineLaunch(EngineStep):
     "The pieces of async scheduling: launching the next step early, and the ledger row of such a call."
 
-    def _launch_next(self, row: dict | None):
-        """Schedule, pack and launch the next step: (step, (launched, plan, deferred), when scheduling ended); no
-        step: (None, None, now). A step with constrained rows defers its sampler until their masks can be filled."""
+    def _prepare_next(self):
+        "Schedule and pack the next step: (step, inputs, plan, deferred, when scheduling ended), or None (nothing left)."
         sched = self.scheduler
-        if not (sched.running or sched.waiting): return None, None, time.perf_counter()
+        if not (sched.running or sched.waiting): return None
         step = sched.schedule()
         t1 = time.perf_counter()
         try:
             x, plan = self._pack(step)
             defer = bool(self._num_constrained) and any(self._requests[s.seq_id].matcher is not None
                                                         for s in step.seqs if s.sample)
-            return step, (self.runner.launch(x, row, defer_sample=defer), plan, defer), t1
+            return step, x, plan, defer, t1
         except BaseException:
             sched.cancel(step)             # nothing of it is applied; it will be scheduled again
             raise
+
+    def _launch_prepared(self, prepared, row: dict | None = None):
+        """Launch a prepared step: (step, (launched, plan, deferred)). A step with constrained rows defers its sampler
+        until their masks can be filled."""
+        step, x, plan, defer, _ = prepared
+        try: return step, (self.runner.launch(x, row, defer_sample=defer), plan, defer)
+        except BaseException:
+            self.scheduler.cancel(step)
+            raise
+
+    def _launch_next(self, row: dict | None):
+        "Schedule, pack and launch the next step: (step, (launched, plan, deferred), when scheduling ended)."
+        prepared = self._prepare_next()
+        if prepared is None: return None, None, time.perf_counter()
+        return *self._launch_prepared(prepared, row), prepared[4]
 
     def _async_ledger_row(self, row: dict, step: Step, launched: bool, t0, t1, t2, t3) -> None:
         "The ledger row of one call: the host phases of launching N+1, the GPU time and wait of N."
@@ -587,31 +609,50 @@ class EngineAsync(EngineLaunch):
     "Async scheduling: the host schedules and packs step N+1 while the GPU runs step N."
 
     def _step_async(self) -> list[RequestOutput]:
-        """One call launches step N+1 and then completes step N: N+1's decodes take N's tokens on the device
-        (the scheduler's `advance`/`resolve`). A constrained row's mask for N+1 needs N's token: N+1's forward
-        pass is queued first, its sampler only after N's tokens are back and the matchers have taken them."""
+        """One call launches step N+1 and completes step N: N+1's decodes take N's tokens on the device (the
+        scheduler's `advance`/`resolve`). A step with constrained rows was launched by the call before, its sampler
+        deferred: its masks need N's tokens (`_sample_deferred`)."""
         sched = self.scheduler
         if self._inflight is None and not sched.has_unfinished(): return []
         row = {} if self.ledger is not None else None
         t0 = time.perf_counter()
-        step, launched, t1 = self._launch_next(row)
+        fresh = self._launched is None
+        if fresh: step, launched, t1 = self._launch_next(row)
+        else: (step, launched), self._launched, t1 = self._launched, None, t0     # launched by the call before
         t2 = time.perf_counter()
         reports, done = [], self._inflight
         self._inflight = None
-        if done is not None:               # the previous step: wait for its tokens, apply them, report
-            prev, (prev_launched, plan, _) = done
-            tokens = self.runner.wait(prev_launched, row)
-            sched.resolve(prev, tokens)
-            self._after_tokens(prev, tokens, prev_launched, plan)
-            reports = self._reports(prev, time.perf_counter())
-        if step is not None:
-            sched.advance(step)
-            if launched[2]: self.runner.sample_launched(launched[0], self._bitmask(step))
-            self._inflight = (step, launched)
+        if done is not None:               # the previous step: wait for its tokens, apply them
+            tokens = self.runner.wait(done[1][0], row)
+            sched.resolve(done[0], tokens)
+            self._after_tokens(done[0], tokens, done[1][0], done[1][1])
+        if step is not None and launched[2]: reports = self._sample_deferred(step, launched, done)
+        else:
+            if done is not None: reports = self._reports(done[0], time.perf_counter())
+            if step is not None: sched.advance(step)
+        if step is not None: self._inflight = (step, launched)
         t3 = time.perf_counter()
-        if row is not None: self._async_ledger_row(row, step or done[0], step is not None, t0, t1, t2, t3)
+        if row is not None: self._async_ledger_row(row, step or done[0], step is not None and fresh, t0, t1, t2, t3)
         self._last_step_end = t3
         return reports
+
+# %% ../nbs/12_engine.ipynb #e28685de
+def _sample_deferred(self: EngineAsync, step: Step, launched: tuple, done) -> list[RequestOutput]:
+    "Queue a constrained step's sampler once its masks are filled, and the next step's forward pass behind it."
+    if self._mask_pool is None: self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+    finish = self._start_bitmask(step, self._mask_pool)
+    time.sleep(0)                                  # let the fill reach llguidance, which runs without the GIL
+    reports = self._reports(done[0], time.perf_counter()) if done is not None else []
+    self.scheduler.advance(step)
+    prepared = self._prepare_next()                # the next step, scheduled and packed while the masks fill
+    try: self.runner.sample_launched(launched[0], finish())
+    except BaseException:
+        if prepared is not None: self.scheduler.cancel(prepared[0])
+        raise
+    if prepared is not None: self._launched = self._launch_prepared(prepared)
+    return reports
+
+EngineAsync._sample_deferred = _sample_deferred
 
 # %% ../nbs/12_engine.ipynb #9bdd9ad5
 def find_stop(full: str, shown: int, stops: tuple[str, ...], finished: bool) -> tuple[str, bool]:
@@ -731,6 +772,7 @@ class EngineAPI(EngineReports):
         "Stop the other tensor-parallel ranks, if any (also done at exit), and undo `freeze_gc`."
         if self.parallel is not None: self.parallel.shutdown()
         if self._gc_frozen: gc.unfreeze(); self._gc_frozen = False
+        if self._mask_pool is not None: self._mask_pool.shutdown(wait=False); self._mask_pool = None
 
     def __repr__(self):
         return (f"LLM({self.model_dir.name}, {self.device.type}, {str(self.dtype).removeprefix('torch.')}, "

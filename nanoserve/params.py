@@ -18,7 +18,8 @@ from .structured import StructuredOutputs
 
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'SamplingParams', 'partial_setattr', 'TokenLogprob', 'LogprobRows', 'RequestOutput', 'Choice',
-           'new_choice', 'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'grammar_bitmask']
+           'new_choice', 'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'start_grammar_bitmask',
+           'grammar_bitmask']
 
 # %% ../nbs/11a_params.ipynb #6cda9f6e
 MAX_LOGPROBS = 20     # the most log-probabilities a position returns (OpenAI's chat limit)
@@ -119,7 +120,7 @@ class TokenLogprob:
     rank: int                                # 1: the most likely token
     top: list[tuple[int, float]] = field(default_factory=list)   # the k most likely (id, logprob), most likely first
 
-# %% ../nbs/11a_params.ipynb #d3c9176b
+# %% ../nbs/11a_params.ipynb #ce52bbd1
 class LogprobRows(SequenceABC):
     "A choice's `TokenLogprob`s, kept as the device's rows and made when read; `view()` is a fixed-length snapshot."
     def __init__(self, k: int, token_ids: list | None = None, rows: list | None = None, n: int | None = None):
@@ -216,7 +217,7 @@ def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index
     if scores_prompt and params.prompt_logprobs is not None: c.prompt_logprobs = [None]
     return c
 
-# %% ../nbs/11a_params.ipynb #e03b56e2
+# %% ../nbs/11a_params.ipynb #6fdfa3c2
 class PenaltySlots:
     "Which penalised choice holds which row of the device's penalty counts; row `num_slots` is the scratch slot."
     def __init__(self, num_slots: int):
@@ -315,15 +316,27 @@ def record_prompt(plan: list, entries: list) -> None:
         i += len(targets)
 
 # %% ../nbs/11a_params.ipynb #6aece644
-def grammar_bitmask(step: Step, choices: dict, width: int, fill, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The step's host bitmask (None: no sampled row has a grammar); `fill(pairs, bitmask)` fills (row, matcher)
-    pairs. `out`: a buffer of at least [S, width] to fill (the engine's are pinned, so that the copy to the GPU does
-    not wait for the work queued before it)."""
+def start_grammar_bitmask(step: Step, choices: dict, width: int, start_fill, out: torch.Tensor | None = None):
+    """Start the step's host bitmask; returns `finish()`, which gives it (None: no sampled row has a grammar).
+    `start_fill(pairs, bitmask)` starts filling (row, matcher) pairs and returns its own `finish()`. `out`: a buffer
+    of at least [S, width] (the engine's are pinned, so the copy to the GPU does not wait for work queued before it)."""
     sampled = [choices.get(s.seq_id) for s in step.seqs if s.sample]     # (one finished meanwhile: unmasked)
     pairs = [(j, c.matcher) for j, c in enumerate(sampled) if c is not None and c.matcher is not None]
-    if not pairs: return None
+    if not pairs: return lambda: None
     bitmask = (torch.empty(len(sampled), width, dtype=torch.int32) if out is None else out[:len(sampled)]).fill_(-1)
-    fill(pairs, bitmask)
-    for j, m in pairs:
-        if m.is_error(): bitmask[j] = -1
-    return bitmask
+    filled = start_fill(pairs, bitmask)
+
+    def finish() -> torch.Tensor:
+        filled()
+        for j, m in pairs:
+            if m.is_error(): bitmask[j] = -1
+        return bitmask
+    return finish
+
+
+def grammar_bitmask(step: Step, choices: dict, width: int, fill, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    "The step's host bitmask, filled now: `fill(pairs, bitmask)` fills (row, matcher) pairs (None: no grammar)."
+    def start(pairs, bitmask):
+        fill(pairs, bitmask)
+        return lambda: None
+    return start_grammar_bitmask(step, choices, width, start, out)()

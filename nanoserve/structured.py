@@ -23,8 +23,8 @@ except ImportError:
 
 # %% auto #0
 __all__ = ['TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'StructuredOutputs', 'grammar_text', 'll_tokenizer', 'GrammarMatcher',
-           'CompiledGrammar', 'GrammarCompiler', 'fill_bitmasks', 'accept_tokens', 'apply_bitmask_ref', 'check_tools',
-           'tool_call_outputs', 'ToolCallStream', 'parse_tool_calls']
+           'CompiledGrammar', 'GrammarCompiler', 'start_fill_bitmasks', 'fill_bitmasks', 'accept_tokens',
+           'apply_bitmask_ref', 'check_tools', 'tool_call_outputs', 'ToolCallStream', 'parse_tool_calls']
 
 # %% ../nbs/10a_structured.ipynb #0496ff02
 def _canonical_schema(schema) -> str:
@@ -219,23 +219,35 @@ class GrammarCompiler:
     def __repr__(self): return f"GrammarCompiler(vocab_size={self.vocab_size}, cached={len(self)}/{self.cache_size})"
 
 # %% ../nbs/10a_structured.ipynb #404b2e67
-def fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor) -> None:
-    "Fill row `row` of `bitmask` (int32 CPU [S, bitmask_width]) for every (row, matcher) pair, in parallel."
-    if not pairs: return
+def start_fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor, pool=None):
+    """Start filling row `row` of `bitmask` (int32 CPU [S, bitmask_width]) for every (row, matcher) pair, in
+    parallel on llguidance's threads; returns `finish()`, which waits and completes the rows. With `pool` (a
+    `concurrent.futures` executor) the work runs there: llguidance drops the GIL, so the caller's Python goes on."""
+    if not pairs: return lambda: None
     first = pairs[0][1]
     num_words, last_bits = first._num_words, first._last_word_bits
     with self._lock:
         if self._executor is None: self._executor = llguidance.LLExecutor()
     narrow = torch.empty(len(pairs), num_words, dtype=torch.int32)                     # [P, tokenizer words]
-    self._executor.unsafe_compute_mask_ptr([(m._m, i) for i, (_, m) in enumerate(pairs)], narrow.data_ptr(),
-                                           num_words * 4, len(pairs))
-    if last_bits: narrow[:, -1] &= (1 << last_bits) - 1
-    rows = [row for row, _ in pairs]
-    index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)   # rows 0..P-1: a plain copy
-    bitmask[index, :num_words] = narrow
-    bitmask[index, num_words:] = 0
+    args = ([(m._m, i) for i, (_, m) in enumerate(pairs)], narrow.data_ptr(), num_words * 4, len(pairs))
+    job = pool.submit(self._executor.unsafe_compute_mask_ptr, *args) if pool is not None else None
+    if job is None: self._executor.unsafe_compute_mask_ptr(*args)
 
-GrammarCompiler.fill_bitmasks = fill_bitmasks
+    def finish() -> None:
+        if job is not None: job.result()
+        if last_bits: narrow[:, -1] &= (1 << last_bits) - 1
+        rows = [row for row, _ in pairs]
+        index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)   # rows 0..P-1: a copy
+        bitmask[index, :num_words] = narrow
+        bitmask[index, num_words:] = 0
+    return finish
+
+
+def fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor) -> None:
+    "Fill row `row` of `bitmask` (int32 CPU [S, bitmask_width]) for every (row, matcher) pair, in parallel."
+    self.start_fill_bitmasks(pairs, bitmask)()
+
+GrammarCompiler.start_fill_bitmasks, GrammarCompiler.fill_bitmasks = start_fill_bitmasks, fill_bitmasks
 
 # %% ../nbs/10a_structured.ipynb #bccc5a54
 def accept_tokens(self: GrammarCompiler, pairs: list) -> list[bool]:

@@ -171,6 +171,21 @@ def test_grammars_constrain_and_finish(engines):
     else: assert outs[3].text.startswith("{")
 
 
+def test_constrained_steps_pipeline_as_sync_does(engines):
+    """Async scheduling queues the step after a constrained one behind its sampler (the masks filled on a thread):
+    constrained rows beside plain ones, with penalties and logprobs, more requests than rows (admissions mid-run),
+    give sync's tokens, and nothing stays queued after."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6}}, "required": ["a"]}
+    prompts = [random_prompt(4 + i, 3072, seed=20 + i) for i in range(12)]
+    params = [SamplingParams(max_tokens=5 + i % 7, temperature=0.9, seed=i, frequency_penalty=0.5 * (i % 3 == 0),
+                             logprobs=2 if i % 4 == 1 else None,
+                             structured_outputs=StructuredOutputs(json=schema) if i % 2 else None) for i in range(12)]
+    outs = both(engines, prompts, params)
+    assert all(json.loads(o.text)["a"] is not None for o in outs[1::2] if o.finish_reason == "stop")
+    e = engines["async"]
+    assert e._launched is None and e._inflight is None and not e.has_unfinished_requests()
+
+
 def test_bad_grammar_is_a_value_error(engines):
     e = engines["sync"]
     with pytest.raises(ValueError, match="regex|invalid"):
