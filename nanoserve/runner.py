@@ -301,12 +301,12 @@ def _block_views(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, n: int
     return dev_f[:6 * r].view(6, r)[:, :n], dev_i[k:k + 4 * r].view(4, r)[:, :n]                 # [6, n], [4, n]
 
 # %% ../nbs/10_runner.ipynb #ea217fb0
-def processors_of(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, counts: torch.Tensor | None,
-                  n: int | None = None) -> LogitsProcessors | None:
-    "The step's `LogitsProcessors` over its first `n` block rows (None: no row asks for any)."
+def processors_of(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
+                  counts: torch.Tensor | None) -> LogitsProcessors | None:
+    "The sampled rows' `LogitsProcessors`, views of the step's one copy and `counts` (None: no row asks for any)."
     bias = _view(dev_i, x.extra_ints, "bias_rows")
     if not (x.has_penalties or x.has_min_p or bias is not None): return None
-    f, i = _block_views(x, dev_i, dev_f, x.num_sampled if n is None else n)
+    f, i = _block_views(x, dev_i, dev_f, x.num_sampled)
     p = LogitsProcessors(bias_rows=bias, bias_ids=_view(dev_i, x.extra_ints, "bias_ids"),
                          bias_values=_view(dev_f, x.extra_floats, "bias_values"), min_ps=f[2] if x.has_min_p else None)
     if x.has_penalties: p.penalties, p.counts, p.slots = f[3:6], counts, i[3]
@@ -337,9 +337,9 @@ def eager_inputs(x: StepInputs, dev_i: torch.Tensor):
     return get("input_ids"), get("positions"), meta, get("sample_rows")
 
 # %% ../nbs/10_runner.ipynb #4003743f
-def sampling_metadata(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor, n: int | None = None) -> SamplingMetadata:
-    "The first `n` (default: the sampled) rows' parameters, as views of the step's sampling block."
-    f, i = _block_views(x, dev_i, dev_f, x.num_sampled if n is None else n)
+def sampling_metadata(x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor) -> SamplingMetadata:
+    "The sampled rows' parameters, as views of the step's sampling block."
+    f, i = _block_views(x, dev_i, dev_f, x.num_sampled)
     return SamplingMetadata(f[0], f[1], i[0], i[1], i[2], all_greedy=x.all_greedy, any_filter=x.any_filter,
                             num_logprobs=x.num_logprobs)
 
@@ -425,7 +425,7 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
 
-# %% ../nbs/10_runner.ipynb #e620753c
+# %% ../nbs/10_runner.ipynb #624a563a
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
 
 
@@ -449,7 +449,7 @@ class SamplerGraphs:
     def key(self, x: StepInputs, has_mask: bool) -> tuple:
         return (x.sample_rows, x.all_greedy, x.any_filter, x.has_min_p, x.has_penalties, has_mask, x.num_logprobs)
 
-# %% ../nbs/10_runner.ipynb #37383bb0
+# %% ../nbs/10_runner.ipynb #d35100b4
 def _sample_static(self: SamplerGraphs, key: tuple, counts: torch.Tensor | None) -> None:
     "The captured work: `sample` (and `token_logprobs`) over the first `rows` rows of the static buffers."
     rows, greedy, any_filter, min_p, penalties, mask, k = key
@@ -476,7 +476,7 @@ def _capture_sampler(self: SamplerGraphs, key: tuple, counts: torch.Tensor | Non
 
 SamplerGraphs._sample_static, SamplerGraphs._capture = _sample_static, _capture_sampler
 
-# %% ../nbs/10_runner.ipynb #c6571ea5
+# %% ../nbs/10_runner.ipynb #d9aa03f8
 def _run_sampler(self: SamplerGraphs, x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
                  counts: torch.Tensor | None, bitmask: torch.Tensor | None):
     "Load a step's sampling block (and mask) and replay its graph: (tokens [n], logprobs [n, 2 + 2k] or None)."
@@ -695,7 +695,7 @@ def _sample_eager(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor 
 
 RunnerLaunch.sample_launched, RunnerLaunch._sample_eager = sample_launched, _sample_eager
 
-# %% ../nbs/10_runner.ipynb #28fe2df8
+# %% ../nbs/10_runner.ipynb #18d67711
 def _span_events(self: RunnerLaunch, ledger_row: dict | None):
     "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
     if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None
