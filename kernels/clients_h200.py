@@ -18,6 +18,7 @@ Parts, each checked before it is timed, A and B interleaved (each round alternat
    each unconstrained request asked for exactly as many tokens as its constrained run produced (EOS ignored), so
    both sides generate the same tokens in the same batch shapes: output tokens/s end to end (the target: at most
    15% fewer), and over the decode steps that ran the full batch; the time in llguidance's batch calls.
+   grammar: llguidance's mask fill and token advance for 64 rows alone, on the machine's CPU, by thread-pool size.
    Time to first token of one request on an idle engine with no schema, with a schema compiled before (cached)
    and with a new typical schema each time (distinct property names): targets, cached adds nothing measurable, new
    adds at most 20 ms. The check: every constrained token is one the grammar accepts, and every output that closed
@@ -41,7 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, SamplingParams, StepLedger, WorkloadSpec, checkpoint, device_or_skip, drain,  # noqa: E402
-                 dtype_of, exit_if_failed, free, is_smoke, median, parser, run_parts, run_benchmark, saver, sync, warm)
+                 dtype_of, exit_if_failed, free, is_smoke, median, model_config, parser, run_parts, run_benchmark, saver,
+                 sync, warm)
 
 from nanoserve.bench import model_limits                                                   # noqa: E402
 
@@ -285,6 +287,38 @@ def structured(model_dir, s: Settings, res: dict, dtype: str) -> None:
     drain(llm); del llm; free()
 
 
+def grammar_threads(model_dir, s: Settings, res: dict) -> None:
+    """llguidance's batch calls at batch 64 on this machine's CPU, by the size of its thread pool: ms per step of the
+    mask fill and of the token advance over a random walk through the schema (each row a random allowed token),
+    the first 30 steps (lexer states still built) apart from the rest. No GPU work."""
+    import llguidance
+    import torch
+    import numpy as np
+    from nanoserve.structured import GrammarCompiler
+    from nanoserve.tokenizer import load_tokenizer
+    tok = load_tokenizer(model_dir)
+    b, steps = s.batches[0], (40 if s.smoke else 230)
+    rows = {}
+    for threads in (1, 2, 4, 8, None):
+        g = GrammarCompiler(tok, model_config(model_dir)["vocab_size"], eos_token_ids=[tok.eos_token_id])
+        if threads is not None: g._executor = llguidance.LLExecutor(num_threads=threads)
+        grammar = g.compile(StructuredOutputs(json=json.dumps(THROUGHPUT_SCHEMA)))
+        matchers, mask, rng = [grammar.matcher() for _ in range(b)], torch.empty(b, g.bitmask_width, dtype=torch.int32), np.random.default_rng(0)
+        fill, accept = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter(); g.fill_bitmasks(list(enumerate(matchers)), mask); t1 = time.perf_counter()
+            bits = np.unpackbits(mask[:, :(len(tok) + 31) // 32].numpy().view(np.uint8), bitorder="little", axis=1)
+            tokens = [int(rng.choice(np.flatnonzero(r[:len(tok)]))) for r in bits]
+            t2 = time.perf_counter(); g.accept_tokens(list(zip(matchers, tokens))); t3 = time.perf_counter()
+            fill.append(t1 - t0); accept.append(t3 - t2)
+            matchers = [grammar.matcher() if m.is_terminated() or m.is_error() else m for m in matchers]
+        ms = lambda xs: sum(xs) / len(xs) * 1e3
+        rows[str(threads or "default")] = {"fill_ms_first30": ms(fill[:30]), "fill_ms": ms(fill[30:]),
+                                           "accept_ms_first30": ms(accept[:30]), "accept_ms": ms(accept[30:])}
+        print("grammar threads", threads or "default", rows[str(threads or "default")], flush=True)
+    res["grammar_threads"] = {"batch": b, "steps": steps, "cpus": os.cpu_count(), "rows": rows}
+
+
 def ttft(llm, s: Settings, res: dict) -> None:
     "Time to first token: no schema, a cached schema, a new typical schema each time; interleaved, rotated."
     prompt = random_prompts(llm, 1, s.prompt_len, seed=11)[0]
@@ -393,7 +427,7 @@ def server(model_dir, s: Settings, res: dict, dtype: str, device: str) -> None:
 
 
 def main():
-    args = parser(__doc__, parts="check,penalties,structured,fork,server").parse_args()
+    args = parser(__doc__, parts="check,penalties,structured,grammar,fork,server").parse_args()
     device = device_or_skip(args)
     smoke, dtype = is_smoke(args), dtype_of(args)
     s = Settings(smoke)
@@ -402,6 +436,7 @@ def main():
     parts = {"check": lambda: check(model_dir, s, res, dtype),
              "penalties": lambda: penalties(model_dir, s, res, dtype),
              "structured": lambda: structured(model_dir, s, res, dtype),
+             "grammar": lambda: grammar_threads(model_dir, s, res),
              "fork": lambda: fork(model_dir, s, res, dtype),
              "server": lambda: server(model_dir, s, res, dtype, device.type)}
     run_parts(parts, args.parts, saver("clients_h200.json", res, args), res.setdefault("part_seconds", {}))

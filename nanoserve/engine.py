@@ -548,11 +548,11 @@ def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, pla
     "Record what came back beyond the tokens: logprobs, prompt logprobs, grammar state."
     if plan: record_prompt(plan, launched.prompt_logprobs)
     if not (self._num_special or self._num_constrained): return
-    lps, constrained = launched.logprobs, []
+    lps, constrained, get = launched.logprobs or None, [], self._requests.get
     for j, (s, token) in enumerate(zip((s for s in step.seqs if s.sample), tokens)):
-        r = self._requests.get(s.seq_id)
+        r = get(s.seq_id)
         if r is None or not _kept(r.seq, s, token): continue
-        record_token(r, token, lps[j] if lps else None)
+        if lps is not None: record_token(r, token, lps[j])
         if r.matcher is not None and token not in r.seq.stop_token_ids: constrained.append((r, token))
     if not constrained: return
     self.grammar_compiler.accept_tokens([(r.matcher, token) for r, token in constrained])   # all at once
@@ -636,7 +636,7 @@ class EngineAsync(EngineLaunch):
         self._last_step_end = t3
         return reports
 
-# %% ../nbs/12_engine.ipynb #e28685de
+# %% ../nbs/12_engine.ipynb #352b9ea1
 def _sample_deferred(self: EngineAsync, step: Step, launched: tuple, done) -> list[RequestOutput]:
     "Queue a constrained step's sampler once its masks are filled, and the next step's forward pass behind it."
     if self._mask_pool is None: self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")

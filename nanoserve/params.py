@@ -120,7 +120,7 @@ class TokenLogprob:
     rank: int                                # 1: the most likely token
     top: list[tuple[int, float]] = field(default_factory=list)   # the k most likely (id, logprob), most likely first
 
-# %% ../nbs/11a_params.ipynb #ce52bbd1
+# %% ../nbs/11a_params.ipynb #100854d0
 class LogprobRows(SequenceABC):
     "A choice's `TokenLogprob`s, kept as the device's rows and made when read; `view()` is a fixed-length snapshot."
     def __init__(self, k: int, token_ids: list | None = None, rows: list | None = None, n: int | None = None):
@@ -190,6 +190,7 @@ class Choice:
     cumulative_logprob: float = 0.0
 
     penalties: tuple = (0.0, 0.0, 1.0)       # (presence, frequency, repetition): its row of a step's penalties
+    num_logprobs: int = -1                   # top logprobs its rows need: -1 none, else k (0: the sampled token's)
 
     @property
     def penalised(self) -> bool: return self.penalties != (0.0, 0.0, 1.0)
@@ -201,11 +202,6 @@ class Choice:
         return (self.penalised or bool(p.logit_bias) or p.min_tokens > 0 or p.min_p > 0 or self.num_logprobs >= 0
                 or self.prompt_logprobs is not None)
 
-    @property
-    def num_logprobs(self) -> int:
-        "How many top logprobs its rows need: -1 none, else k (0: only the sampled token's)."
-        k = self.params.logprobs
-        return k if k is not None else (0 if self.needs_logprob else -1)
 
 # %% ../nbs/11a_params.ipynb #f92a0850
 def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index: int = 0, matcher=None,
@@ -213,11 +209,12 @@ def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index
     "A choice (of class `cls`, with `fields`), with the state its parameters need made up front."
     c = cls(seq, params, sampling_row, index, matcher, needs_logprob=params.num_choices > params.n, **fields)
     c.penalties = (float(params.presence_penalty), float(params.frequency_penalty), float(params.repetition_penalty))
+    c.num_logprobs = params.logprobs if params.logprobs is not None else (0 if c.needs_logprob else -1)
     if params.logprobs is not None: c.logprobs = LogprobRows(params.logprobs)
     if scores_prompt and params.prompt_logprobs is not None: c.prompt_logprobs = [None]
     return c
 
-# %% ../nbs/11a_params.ipynb #6fdfa3c2
+# %% ../nbs/11a_params.ipynb #053f1f92
 class PenaltySlots:
     "Which penalised choice holds which row of the device's penalty counts; row `num_slots` is the scratch slot."
     def __init__(self, num_slots: int):

@@ -425,7 +425,7 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
 
-# %% ../nbs/10_runner.ipynb #e84b6969
+# %% ../nbs/10_runner.ipynb #0192a849
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
 
 
@@ -449,7 +449,7 @@ class SamplerGraphs:
     def key(self, x: StepInputs, has_mask: bool) -> tuple:
         return (x.sample_rows, x.all_greedy, x.any_filter, x.has_min_p, x.has_penalties, has_mask, x.num_logprobs)
 
-# %% ../nbs/10_runner.ipynb #bfda6bd6
+# %% ../nbs/10_runner.ipynb #b13f49df
 def _sample_static(self: SamplerGraphs, key: tuple, counts: torch.Tensor | None) -> None:
     "The captured work: `sample` (and `token_logprobs`) over the first `rows` rows of the static buffers."
     rows, greedy, any_filter, min_p, penalties, mask, k = key
@@ -476,7 +476,7 @@ def _capture_sampler(self: SamplerGraphs, key: tuple, counts: torch.Tensor | Non
 
 SamplerGraphs._sample_static, SamplerGraphs._capture = _sample_static, _capture_sampler
 
-# %% ../nbs/10_runner.ipynb #04042add
+# %% ../nbs/10_runner.ipynb #300d4c73
 def _run_sampler(self: SamplerGraphs, x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
                  counts: torch.Tensor | None, bitmask: torch.Tensor | None):
     "Load a step's sampling block (and mask) and replay its graph: (tokens [n], logprobs [n, 2 + 2k] or None)."
@@ -695,7 +695,7 @@ def _sample_eager(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor 
 
 RunnerLaunch.sample_launched, RunnerLaunch._sample_eager = sample_launched, _sample_eager
 
-# %% ../nbs/10_runner.ipynb #59d0c0a8
+# %% ../nbs/10_runner.ipynb #fa76d6ed
 def _span_events(self: RunnerLaunch, ledger_row: dict | None):
     "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
     if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None
@@ -716,7 +716,7 @@ class ModelRunner(RunnerLaunch):
         if launched.done is not None: launched.done.synchronize()
         if events is not None: events[1].synchronize()
         out = launched.tokens.tolist() if launched.tokens is not None else []
-        if launched.floats is not None: _unpack_floats(launched, launched.floats.tolist())
+        if launched.floats is not None: _unpack_floats(launched, launched.floats)
         if ledger_row is not None:
             t1 = time.perf_counter()
             ledger_row.update(sync=t1 - t0, gpu=events[0].elapsed_time(events[1]) / 1e3 if events else t0 - launched.t0)
@@ -733,17 +733,16 @@ class ModelRunner(RunnerLaunch):
         return self.execute(x, ledger_row)
 
 
-def _unpack_floats(launched: Launched, flat: list[float]) -> None:
-    "Cut the copied-back floats into the sampled rows' and the prompt rows' logprobs."
-    x = launched.x
+def _unpack_floats(launched: Launched, floats: torch.Tensor) -> None:
+    "Cut the copied-back floats (on the host) into the sampled rows' and the prompt rows' logprobs."
+    x, n = launched.x, 0
     if x.num_logprobs >= 0:
         w = 2 + 2 * x.num_logprobs
         n = x.num_sampled * w
-        launched.logprobs = [flat[i:i + w] for i in range(0, n, w)]          # rows: `token_logprobs`' layout
-        flat = flat[n:]
+        launched.logprobs = floats[:n].view(-1, w).tolist()                  # rows: `token_logprobs`' layout
     if x.prompt_lp_k >= 0:
         w = 2 + 2 * x.prompt_lp_k
-        launched.prompt_logprobs = unpack_logprobs([flat[i:i + w] for i in range(0, len(flat), w)], x.prompt_lp_k)
+        launched.prompt_logprobs = unpack_logprobs(floats[n:].view(-1, w).tolist(), x.prompt_lp_k)
 
 # %% ../nbs/10_runner.ipynb #4033f2f4
 _CPU_KV_CACHE_BYTES = 1 << 30

@@ -170,7 +170,7 @@ class SamplingMetadata:
     processors: LogitsProcessors | None = None   # penalties, bias, masks, min-p: None when no row asks
     num_logprobs: int = -1       # -1: no logprobs; k >= 0: each row's sampled token's logprob and the top k
 
-# %% ../nbs/09a_sampler.ipynb #df1ced57
+# %% ../nbs/09a_sampler.ipynb #77dcdbd8
 def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                       floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
     """[S] tokens: arg-max of `scores` / temperature (`scale`) over the `floors`, plus the seed rule's Gumbel noise;
@@ -181,7 +181,7 @@ def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Te
     gumbel = -torch.log(-torch.log(hash_uniform(seeds, offsets, x.shape[-1])))
     return torch.where(temps[:, None] > 0, s + gumbel, x).argmax(dim=-1)
 
-# %% ../nbs/09a_sampler.ipynb #d9d020a8
+# %% ../nbs/09a_sampler.ipynb #b02f7e75
 @triton.jit
 def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, best_ptr, where_ptr, V, x_stride,
                          num_blocks, golden, mix1, mix2, SCALE: tl.constexpr, HAS_FLOOR: tl.constexpr,
@@ -203,7 +203,7 @@ def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, b
     tl.store(best_ptr + row * num_blocks + block, tl.max(score, axis=0))
     tl.store(where_ptr + row * num_blocks + block, block * BLOCK + tl.argmax(score, axis=0))
 
-# %% ../nbs/09a_sampler.ipynb #5ae62bd3
+# %% ../nbs/09a_sampler.ipynb #1a2cecce
 @triton.jit
 def gumbel_pick_kernel(best_ptr, where_ptr, out_ptr, counts_ptr, slots_ptr, V, num_blocks,
                        HAS_COUNTS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
@@ -214,7 +214,7 @@ def gumbel_pick_kernel(best_ptr, where_ptr, out_ptr, counts_ptr, slots_ptr, V, n
     tl.store(out_ptr + row, token)
     if HAS_COUNTS: tl.atomic_add(counts_ptr + tl.load(slots_ptr + row) * V + token, 1.0)
 
-# %% ../nbs/09a_sampler.ipynb #f7ff130c
+# %% ../nbs/09a_sampler.ipynb #5116fc1c
 _DRAW_BLOCK = 4096
 
 def gumbel_argmax(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
@@ -244,7 +244,7 @@ def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     keep &= (rank < m.top_ks[:, None]) | (m.top_ks[:, None] == 0)                         # top-k
     return torch.full_like(scaled, -math.inf).scatter(1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
-# %% ../nbs/09a_sampler.ipynb #d995a446
+# %% ../nbs/09a_sampler.ipynb #88751ff0
 def _draw(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """Each row's Gumbel-max draw (greedy rows: the arg-max), penalised rows' tokens counted; on a GPU the fused
     kernels, unless top-k/top-p need a sort first."""
@@ -296,11 +296,13 @@ def token_logprobs_ref(logits: torch.Tensor, token_ids: torch.Tensor, k: int) ->
     parts = [chosen, rank] + ([top[0], top[1].float()] if k else [])
     return torch.cat(parts, dim=1)
 
-# %% ../nbs/09a_sampler.ipynb #81a68661
+# %% ../nbs/09a_sampler.ipynb #2a42ebd0
 @triton.jit
-def logprob_stats_kernel(x_ptr, token_ptr, stats_ptr, V, x_stride, num_blocks, plane, BLOCK: tl.constexpr):
+def logprob_stats_kernel(x_ptr, token_ptr, stats_ptr, top_v_ptr, top_i_ptr, V, x_stride, num_blocks, plane, K,
+                         BLOCK: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
-    j = block * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    j = block * BLOCK + offs
     inside = j < V
     x = tl.load(x_ptr + row * x_stride + j, mask=inside, other=float("-inf")).to(tl.float32)
     xt = tl.load(x_ptr + row * x_stride + tl.load(token_ptr + row)).to(tl.float32)
@@ -309,11 +311,16 @@ def logprob_stats_kernel(x_ptr, token_ptr, stats_ptr, V, x_stride, num_blocks, p
     tl.store(stats_ptr + at, m)
     tl.store(stats_ptr + plane + at, tl.sum(tl.where(inside, tl.exp(x - m), 0.0), axis=0))
     tl.store(stats_ptr + 2 * plane + at, tl.sum((inside & (x > xt)).to(tl.float32), axis=0))
+    for r in range(K):                                             # the block's top K, most likely first
+        where = tl.argmax(x, axis=0)
+        tl.store(top_v_ptr + at * K + r, tl.max(x, axis=0))
+        tl.store(top_i_ptr + at * K + r, block * BLOCK + where)
+        x = tl.where(offs == where, float("-inf"), x)
 
 
 @triton.jit
 def logprob_rows_kernel(x_ptr, token_ptr, stats_ptr, top_v_ptr, top_i_ptr, out_ptr, x_stride, num_blocks, plane, K,
-                        NUM_BLOCKS: tl.constexpr, K_POW2: tl.constexpr):
+                        NUM_BLOCKS: tl.constexpr, NUM_CANDIDATES: tl.constexpr):
     row = tl.program_id(0)
     b = tl.arange(0, NUM_BLOCKS)
     inside = b < num_blocks
@@ -326,27 +333,30 @@ def logprob_rows_kernel(x_ptr, token_ptr, stats_ptr, top_v_ptr, top_i_ptr, out_p
     out = out_ptr + row * (2 + 2 * K)
     tl.store(out, xt - lse)
     tl.store(out + 1, above + 1.0)
-    kk = tl.arange(0, K_POW2)
-    v = tl.load(top_v_ptr + row * K + kk, mask=kk < K, other=0.0).to(tl.float32)
-    ids = tl.load(top_i_ptr + row * K + kk, mask=kk < K, other=0)
-    tl.store(out + 2 + kk, v - lse, mask=kk < K)
-    tl.store(out + 2 + K + kk, ids.to(tl.float32), mask=kk < K)
+    c = tl.arange(0, NUM_CANDIDATES)                               # the blocks' K candidates each, in block order
+    v = tl.load(top_v_ptr + row * num_blocks * K + c, mask=c < num_blocks * K, other=float("-inf"))
+    for r in range(K):
+        where = tl.argmax(v, axis=0)
+        tl.store(out + 2 + r, tl.max(v, axis=0) - lse)
+        tl.store(out + 2 + K + r, tl.load(top_i_ptr + row * num_blocks * K + where).to(tl.float32))
+        v = tl.where(c == where, float("-inf"), v)
 
-# %% ../nbs/09a_sampler.ipynb #ee7b8db7
+# %% ../nbs/09a_sampler.ipynb #d1f323de
 _LOGPROB_BLOCK = 4096
 
 def token_logprobs_fused(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-    "`token_logprobs_ref` without the `[S, V]` log-softmax: the two kernels around `topk_rows` (rows contiguous)."
+    "`token_logprobs_ref` in two kernels, no `[S, V]` log-softmax and no sort (`logits` rows contiguous)."
     S, V = logits.shape
     num_blocks = triton.cdiv(V, _LOGPROB_BLOCK)
     stats = torch.empty(3, S, num_blocks, dtype=torch.float32, device=logits.device)
-    logprob_stats_kernel[(S, num_blocks)](logits, token_ids, stats, V, logits.stride(0), num_blocks, S * num_blocks,
-                                          BLOCK=_LOGPROB_BLOCK)
-    top_v, top_i = topk_rows(logits, k) if k else (stats, token_ids)              # (unused pointers when k = 0)
+    top_v = torch.empty(S, num_blocks, max(k, 1), dtype=torch.float32, device=logits.device)    # each block's top k
+    top_i = torch.empty(S, num_blocks, max(k, 1), dtype=torch.int64, device=logits.device)
+    logprob_stats_kernel[(S, num_blocks)](logits, token_ids, stats, top_v, top_i, V, logits.stride(0), num_blocks,
+                                          S * num_blocks, k, BLOCK=_LOGPROB_BLOCK)
     out = torch.empty(S, 2 + 2 * k, dtype=torch.float32, device=logits.device)
-    logprob_rows_kernel[(S,)](logits, token_ids, stats, top_v.contiguous(), top_i.contiguous(), out, logits.stride(0),
-                              num_blocks, S * num_blocks, k, NUM_BLOCKS=triton.next_power_of_2(num_blocks),
-                              K_POW2=triton.next_power_of_2(max(k, 1)))
+    logprob_rows_kernel[(S,)](logits, token_ids, stats, top_v, top_i, out, logits.stride(0), num_blocks,
+                              S * num_blocks, k, NUM_BLOCKS=triton.next_power_of_2(num_blocks),
+                              NUM_CANDIDATES=triton.next_power_of_2(num_blocks * max(k, 1)))
     return out
 
 
