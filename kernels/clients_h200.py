@@ -291,7 +291,6 @@ def grammar_threads(model_dir, s: Settings, res: dict) -> None:
     """llguidance's batch calls at batch 64 on this machine's CPU, by the size of its thread pool: ms per step of the
     mask fill and of the token advance over a random walk through the schema (each row a random allowed token),
     the first 30 steps (lexer states still built) apart from the rest. No GPU work."""
-    import llguidance
     import torch
     import numpy as np
     from nanoserve.structured import GrammarCompiler
@@ -300,8 +299,8 @@ def grammar_threads(model_dir, s: Settings, res: dict) -> None:
     b, steps = s.batches[0], (40 if s.smoke else 230)
     rows = {}
     for threads in (1, 2, 4, 8, None):
-        g = GrammarCompiler(tok, model_config(model_dir)["vocab_size"], eos_token_ids=[tok.eos_token_id])
-        if threads is not None: g._executor = llguidance.LLExecutor(num_threads=threads)
+        g = GrammarCompiler(tok, model_config(model_dir)["vocab_size"], eos_token_ids=[tok.eos_token_id],
+                            num_threads=threads)             # None: llguidance's default, a thread per core
         grammar = g.compile(StructuredOutputs(json=json.dumps(THROUGHPUT_SCHEMA)))
         matchers, mask, rng = [grammar.matcher() for _ in range(b)], torch.empty(b, g.bitmask_width, dtype=torch.int32), np.random.default_rng(0)
         fill, accept = [], []

@@ -177,7 +177,7 @@ _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "re
 
 class GrammarCompiler:
     "Compiles `StructuredOutputs` for one tokenizer and model vocabulary; an LRU cache keyed by spec; thread-safe."
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256, eos_token_ids=None):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256, eos_token_ids=None, num_threads: int = 1):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size must be an int >= the tokenizer's {len(tokenizer)} tokens, got {vocab_size!r}")
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
@@ -186,8 +186,15 @@ class GrammarCompiler:
         self.eos_token_ids = None if eos_token_ids is None else tuple(eos_token_ids)
         self.bitmask_width = math.ceil(vocab_size / 32)
         self._ll, self._cache, self._lock = None, OrderedDict(), threading.Lock()
-        self._executor = None                                  # llguidance's thread pool, for `fill_bitmasks`
+        self.num_threads = num_threads                         # llguidance's pool for the batch calls (see below)
+        self._executor = None                                  # that pool, made on first use
         self.num_hits = self.num_misses = 0
+
+    def _pool(self):
+        "llguidance's executor for the batch calls, made on first use."
+        with self._lock:
+            if self._executor is None: self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
+            return self._executor
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -226,12 +233,11 @@ def start_fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tenso
     if not pairs: return lambda: None
     first = pairs[0][1]
     num_words, last_bits = first._num_words, first._last_word_bits
-    with self._lock:
-        if self._executor is None: self._executor = llguidance.LLExecutor()
+    executor = self._pool()
     narrow = torch.empty(len(pairs), num_words, dtype=torch.int32)                     # [P, tokenizer words]
     args = ([(m._m, i) for i, (_, m) in enumerate(pairs)], narrow.data_ptr(), num_words * 4, len(pairs))
-    job = pool.submit(self._executor.unsafe_compute_mask_ptr, *args) if pool is not None else None
-    if job is None: self._executor.unsafe_compute_mask_ptr(*args)
+    job = pool.submit(executor.unsafe_compute_mask_ptr, *args) if pool is not None else None
+    if job is None: executor.unsafe_compute_mask_ptr(*args)
 
     def finish() -> None:
         if job is not None: job.result()
@@ -254,9 +260,7 @@ def accept_tokens(self: GrammarCompiler, pairs: list) -> list[bool]:
     "Advance each (matcher, token id) pair by its token, in parallel; False where the grammar refuses it."
     if not pairs: return []
     inside = [(m, t) for m, t in pairs if 0 <= t < m.num_tokenizer_tokens]
-    with self._lock:
-        if self._executor is None: self._executor = llguidance.LLExecutor()
-    done = iter(self._executor.consume_token_par([(m._m, t) for m, t in inside]) if inside else [])
+    done = iter(self._pool().consume_token_par([(m._m, t) for m, t in inside]) if inside else [])
     return [next(done) if 0 <= t < m.num_tokenizer_tokens else False for m, t in pairs]
 
 GrammarCompiler.accept_tokens = accept_tokens
