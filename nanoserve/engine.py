@@ -636,7 +636,7 @@ class EngineAsync(EngineLaunch):
         self._last_step_end = t3
         return reports
 
-# %% ../nbs/12_engine.ipynb #352b9ea1
+# %% ../nbs/12_engine.ipynb #f664a653
 def _sample_deferred(self: EngineAsync, step: Step, launched: tuple, done) -> list[RequestOutput]:
     "Queue a constrained step's sampler once its masks are filled, and the next step's forward pass behind it."
     if self._mask_pool is None: self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")

@@ -120,7 +120,7 @@ class TokenLogprob:
     rank: int                                # 1: the most likely token
     top: list[tuple[int, float]] = field(default_factory=list)   # the k most likely (id, logprob), most likely first
 
-# %% ../nbs/11a_params.ipynb #100854d0
+# %% ../nbs/11a_params.ipynb #5c71ab57
 class LogprobRows(SequenceABC):
     "A choice's `TokenLogprob`s, kept as the device's rows and made when read; `view()` is a fixed-length snapshot."
     def __init__(self, k: int, token_ids: list | None = None, rows: list | None = None, n: int | None = None):
@@ -214,7 +214,7 @@ def new_choice(seq: Sequence, params: SamplingParams, sampling_row: tuple, index
     if scores_prompt and params.prompt_logprobs is not None: c.prompt_logprobs = [None]
     return c
 
-# %% ../nbs/11a_params.ipynb #053f1f92
+# %% ../nbs/11a_params.ipynb #cad9cc17
 class PenaltySlots:
     "Which penalised choice holds which row of the device's penalty counts; row `num_slots` is the scratch slot."
     def __init__(self, num_slots: int):

@@ -425,7 +425,7 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
 
-# %% ../nbs/10_runner.ipynb #0192a849
+# %% ../nbs/10_runner.ipynb #7a5489c9
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
 
 
@@ -449,7 +449,7 @@ class SamplerGraphs:
     def key(self, x: StepInputs, has_mask: bool) -> tuple:
         return (x.sample_rows, x.all_greedy, x.any_filter, x.has_min_p, x.has_penalties, has_mask, x.num_logprobs)
 
-# %% ../nbs/10_runner.ipynb #b13f49df
+# %% ../nbs/10_runner.ipynb #971022cf
 def _sample_static(self: SamplerGraphs, key: tuple, counts: torch.Tensor | None) -> None:
     "The captured work: `sample` (and `token_logprobs`) over the first `rows` rows of the static buffers."
     rows, greedy, any_filter, min_p, penalties, mask, k = key
@@ -476,7 +476,7 @@ def _capture_sampler(self: SamplerGraphs, key: tuple, counts: torch.Tensor | Non
 
 SamplerGraphs._sample_static, SamplerGraphs._capture = _sample_static, _capture_sampler
 
-# %% ../nbs/10_runner.ipynb #300d4c73
+# %% ../nbs/10_runner.ipynb #2966859c
 def _run_sampler(self: SamplerGraphs, x: StepInputs, dev_i: torch.Tensor, dev_f: torch.Tensor,
                  counts: torch.Tensor | None, bitmask: torch.Tensor | None):
     "Load a step's sampling block (and mask) and replay its graph: (tokens [n], logprobs [n, 2 + 2k] or None)."
@@ -695,7 +695,7 @@ def _sample_eager(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor 
 
 RunnerLaunch.sample_launched, RunnerLaunch._sample_eager = sample_launched, _sample_eager
 
-# %% ../nbs/10_runner.ipynb #fa76d6ed
+# %% ../nbs/10_runner.ipynb #1a984f1a
 def _span_events(self: RunnerLaunch, ledger_row: dict | None):
     "Timing events of the step's device span, when a ledger or `step_spans` wants them (on a GPU)."
     if (ledger_row is None and self.step_spans is None) or self.device.type != "cuda": return None

@@ -170,7 +170,7 @@ class SamplingMetadata:
     processors: LogitsProcessors | None = None   # penalties, bias, masks, min-p: None when no row asks
     num_logprobs: int = -1       # -1: no logprobs; k >= 0: each row's sampled token's logprob and the top k
 
-# %% ../nbs/09a_sampler.ipynb #77dcdbd8
+# %% ../nbs/09a_sampler.ipynb #d2edcb1f
 def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
                       floors: torch.Tensor | None = None, scale: bool = True) -> torch.Tensor:
     """[S] tokens: arg-max of `scores` / temperature (`scale`) over the `floors`, plus the seed rule's Gumbel noise;
@@ -181,7 +181,7 @@ def gumbel_argmax_ref(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Te
     gumbel = -torch.log(-torch.log(hash_uniform(seeds, offsets, x.shape[-1])))
     return torch.where(temps[:, None] > 0, s + gumbel, x).argmax(dim=-1)
 
-# %% ../nbs/09a_sampler.ipynb #b02f7e75
+# %% ../nbs/09a_sampler.ipynb #87463205
 @triton.jit
 def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, best_ptr, where_ptr, V, x_stride,
                          num_blocks, golden, mix1, mix2, SCALE: tl.constexpr, HAS_FLOOR: tl.constexpr,
@@ -203,7 +203,7 @@ def gumbel_argmax_kernel(x_ptr, temps_ptr, seeds_ptr, offsets_ptr, floors_ptr, b
     tl.store(best_ptr + row * num_blocks + block, tl.max(score, axis=0))
     tl.store(where_ptr + row * num_blocks + block, block * BLOCK + tl.argmax(score, axis=0))
 
-# %% ../nbs/09a_sampler.ipynb #1a2cecce
+# %% ../nbs/09a_sampler.ipynb #4f4f917c
 @triton.jit
 def gumbel_pick_kernel(best_ptr, where_ptr, out_ptr, counts_ptr, slots_ptr, V, num_blocks,
                        HAS_COUNTS: tl.constexpr, NUM_BLOCKS: tl.constexpr):
@@ -214,7 +214,7 @@ def gumbel_pick_kernel(best_ptr, where_ptr, out_ptr, counts_ptr, slots_ptr, V, n
     tl.store(out_ptr + row, token)
     if HAS_COUNTS: tl.atomic_add(counts_ptr + tl.load(slots_ptr + row) * V + token, 1.0)
 
-# %% ../nbs/09a_sampler.ipynb #5116fc1c
+# %% ../nbs/09a_sampler.ipynb #ac1fe583
 _DRAW_BLOCK = 4096
 
 def gumbel_argmax(scores: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
@@ -244,7 +244,7 @@ def _filter_top(scaled: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     keep &= (rank < m.top_ks[:, None]) | (m.top_ks[:, None] == 0)                         # top-k
     return torch.full_like(scaled, -math.inf).scatter(1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
-# %% ../nbs/09a_sampler.ipynb #88751ff0
+# %% ../nbs/09a_sampler.ipynb #03c1029b
 def _draw(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """Each row's Gumbel-max draw (greedy rows: the arg-max), penalised rows' tokens counted; on a GPU the fused
     kernels, unless top-k/top-p need a sort first."""
@@ -296,7 +296,7 @@ def token_logprobs_ref(logits: torch.Tensor, token_ids: torch.Tensor, k: int) ->
     parts = [chosen, rank] + ([top[0], top[1].float()] if k else [])
     return torch.cat(parts, dim=1)
 
-# %% ../nbs/09a_sampler.ipynb #2a42ebd0
+# %% ../nbs/09a_sampler.ipynb #6bb057e8
 @triton.jit
 def logprob_stats_kernel(x_ptr, token_ptr, stats_ptr, top_v_ptr, top_i_ptr, V, x_stride, num_blocks, plane, K,
                          BLOCK: tl.constexpr):
@@ -341,7 +341,7 @@ def logprob_rows_kernel(x_ptr, token_ptr, stats_ptr, top_v_ptr, top_i_ptr, out_p
         tl.store(out + 2 + K + r, tl.load(top_i_ptr + row * num_blocks * K + where).to(tl.float32))
         v = tl.where(c == where, float("-inf"), v)
 
-# %% ../nbs/09a_sampler.ipynb #d1f323de
+# %% ../nbs/09a_sampler.ipynb #7a223391
 _LOGPROB_BLOCK = 4096
 
 def token_logprobs_fused(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
