@@ -19,6 +19,7 @@ Parts, each checked before it is timed, A and B interleaved (each round alternat
    both sides generate the same tokens in the same batch shapes: output tokens/s end to end (the target: at most
    15% fewer), and over the decode steps that ran the full batch; the time in llguidance's batch calls.
    grammar: llguidance's mask fill and token advance for 64 rows alone, on the machine's CPU, by thread-pool size.
+   profile: cProfile of steady decode at batch 64, plain, penalised with logprobs, and under a JSON schema.
    Time to first token of one request on an idle engine with no schema, with a schema compiled before (cached)
    and with a new typical schema each time (distinct property names): targets, cached adds nothing measurable, new
    adds at most 20 ms. The check: every constrained token is one the grammar accepts, and every output that closed
@@ -197,6 +198,35 @@ def penalties(model_dir, s: Settings, res: dict, dtype: str) -> None:
                         "rounds": s.rounds, "rows": rows}
     for llm in engines.values(): drain(llm)
     del engines, llm; free()
+
+
+def host_profile(model_dir, s: Settings, res: dict, dtype: str) -> None:
+    """Where the host's time goes in steady decode at batch 64, plain against penalised with logprobs (the sampler
+    graphed) and a JSON schema: cProfile's top functions by own time, per step, nanoserve's and the builtins they
+    call. A lead for the next change, not a figure: the profiler slows Python down."""
+    import cProfile, pstats
+    llm = LLM(model_dir, dtype=dtype, **s.engine)
+    b = s.batches[0]
+    prompts = random_prompts(llm, b, s.prompt_len, seed=21)
+    plain = SamplingParams(max_tokens=s.max_tokens, temperature=1.0, ignore_eos=True)
+    spec = StructuredOutputs(json=json.dumps(THROUGHPUT_SCHEMA))
+    configs = {"plain": plain, "penalties_logprobs5": replace(plain, **PENALIZED),
+               "json_schema": SamplingParams(max_tokens=s.max_tokens, temperature=1.0, structured_outputs=spec)}
+    out = {}
+    for name, params in configs.items():
+        steady(llm, prompts, params); timed_steps(llm, s.steps)
+        prof = cProfile.Profile(); prof.enable()
+        ms, _ = timed_steps(llm, s.steps)
+        prof.disable()
+        stats = pstats.Stats(prof).stats                      # (file, line, name) -> (calls, ncalls, tottime, cumtime, _)
+        top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:30]
+        out[name] = {"ms_per_step_profiled": ms, "top": [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls_per_step": v[1] / s.steps,
+                                                         "own_us_per_step": v[2] / s.steps * 1e6,
+                                                         "cum_us_per_step": v[3] / s.steps * 1e6} for k, v in top]}
+        print("profile", name, f"{ms:.2f} ms a step;", ", ".join(f"{t['fn']} {t['own_us_per_step']:.0f}us" for t in out[name]["top"][:12]), flush=True)
+        drain(llm)
+    res["host_profile"] = {"batch": b, "steps": s.steps, "configs": out}
+    del llm; free()
 
 
 # ---- 2. structured output ----------------------------------------------------------------------------------------
@@ -426,7 +456,7 @@ def server(model_dir, s: Settings, res: dict, dtype: str, device: str) -> None:
 
 
 def main():
-    args = parser(__doc__, parts="check,penalties,structured,grammar,fork,server").parse_args()
+    args = parser(__doc__, parts="check,penalties,structured,grammar,profile,fork,server").parse_args()
     device = device_or_skip(args)
     smoke, dtype = is_smoke(args), dtype_of(args)
     s = Settings(smoke)
@@ -436,6 +466,7 @@ def main():
              "penalties": lambda: penalties(model_dir, s, res, dtype),
              "structured": lambda: structured(model_dir, s, res, dtype),
              "grammar": lambda: grammar_threads(model_dir, s, res),
+             "profile": lambda: host_profile(model_dir, s, res, dtype),
              "fork": lambda: fork(model_dir, s, res, dtype),
              "server": lambda: server(model_dir, s, res, dtype, device.type)}
     run_parts(parts, args.parts, saver("clients_h200.json", res, args), res.setdefault("part_seconds", {}))
