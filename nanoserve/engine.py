@@ -25,7 +25,7 @@ from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
 from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
-from .params import (Choice, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
+from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
 from .structured import GrammarCompiler
@@ -523,11 +523,11 @@ def _start_bitmask(self: EngineStep, step: Step, pool=None):
     if not self._num_constrained: return lambda: None
     grammars = self.grammar_compiler             # every row at once, on llguidance's threads
     if self._mask_buffers is None:               # two, pinned on a GPU: a step's copy may be in flight while the next fills
-        shape = (self.engine_config.batch.max_num_seqs, grammars.bitmask_width)
-        self._mask_buffers = [torch.empty(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        rows, words = self.engine_config.batch.max_num_seqs, math.ceil(len(self.tokenizer) / 32)
+        self._mask_buffers = [MaskBuffer(rows, grammars.bitmask_width, words, pin=self.device.type == "cuda")
                               for _ in range(2)]
     self._mask_buffers.reverse()
-    start = lambda pairs, bitmask: grammars.start_fill_bitmasks(pairs, bitmask, pool)
+    start = lambda pairs, bitmask: grammars.start_fill_bitmasks(pairs, bitmask, pool, zero_tail=False)
     return start_grammar_bitmask(step, self._requests, grammars.bitmask_width, start, out=self._mask_buffers[0])
 
 

@@ -18,8 +18,8 @@ from .structured import StructuredOutputs
 
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'SamplingParams', 'partial_setattr', 'TokenLogprob', 'LogprobRows', 'RequestOutput', 'Choice',
-           'new_choice', 'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'start_grammar_bitmask',
-           'grammar_bitmask']
+           'new_choice', 'PenaltySlots', 'step_extras', 'record_token', 'record_prompt', 'MaskBuffer',
+           'start_grammar_bitmask', 'grammar_bitmask']
 
 # %% ../nbs/11a_params.ipynb #6cda9f6e
 MAX_LOGPROBS = 20     # the most log-probabilities a position returns (OpenAI's chat limit)
@@ -312,24 +312,46 @@ def record_prompt(plan: list, entries: list) -> None:
             c.prompt_logprobs.append(TokenLogprob(token, logprob, rank, top[:c.params.prompt_logprobs]))
         i += len(targets)
 
+# %% ../nbs/11a_params.ipynb #0e27d851
+class MaskBuffer:
+    """A reusable host bitmask `[rows, width]` (pinned for a GPU) that knows which rows are all ones and which have
+    the words past the tokenizer's first `num_words` at 0, so that getting rows ready rewrites only what changes."""
+    def __init__(self, rows: int, width: int, num_words: int, pin: bool = False):
+        self.mask = torch.empty(rows, width, dtype=torch.int32, pin_memory=pin).fill_(-1)
+        self.num_words, self.closed = num_words, [False] * rows          # closed: a constrained row's tail is 0
+
+    def ready(self, n: int, constrained: set) -> torch.Tensor:
+        "The first `n` rows: those in `constrained` with their tail at 0 (the fill writes their words), the rest all ones."
+        for j in range(n):
+            if (j in constrained) != self.closed[j]:
+                if self.closed[j]: self.mask[j].fill_(-1)
+                else: self.mask[j, self.num_words:] = 0
+                self.closed[j] = not self.closed[j]
+        return self.mask[:n]
+
+    def open(self, j: int) -> None:
+        "Row `j` all ones (a matcher in an error state leaves its row unmasked)."
+        self.mask[j].fill_(-1); self.closed[j] = False
+
 # %% ../nbs/11a_params.ipynb #6aece644
-def start_grammar_bitmask(step: Step, choices: dict, width: int, start_fill, out: torch.Tensor | None = None):
+def start_grammar_bitmask(step: Step, choices: dict, width: int, start_fill, out: MaskBuffer | torch.Tensor | None = None):
     """Start the step's host bitmask; returns `finish()`, which gives it (None: no sampled row has a grammar).
-    `start_fill(pairs, bitmask)` starts filling (row, matcher) pairs and returns its own `finish()`. `out`: a buffer
-    of at least [S, width] (the engine's are pinned, so the copy to the GPU does not wait for work queued before it)."""
+    `start_fill(pairs, bitmask)` starts filling (row, matcher) pairs and returns its own `finish()`. `out`: a
+    `MaskBuffer` (the engine's: pinned, so the copy to the GPU does not wait for work queued before it, and only the
+    tokenizer's words are written), or a tensor of at least [S, width] that is filled whole."""
     sampled = [choices.get(s.seq_id) for s in step.seqs if s.sample]     # (one finished meanwhile: unmasked)
     pairs = [(j, c.matcher) for j, c in enumerate(sampled) if c is not None and c.matcher is not None]
     if not pairs: return lambda: None
-    bitmask = (torch.empty(len(sampled), width, dtype=torch.int32) if out is None else out[:len(sampled)]).fill_(-1)
+    if isinstance(out, MaskBuffer): bitmask = out.ready(len(sampled), {j for j, _ in pairs})
+    else: bitmask = (torch.empty(len(sampled), width, dtype=torch.int32) if out is None else out[:len(sampled)]).fill_(-1)
     filled = start_fill(pairs, bitmask)
 
     def finish() -> torch.Tensor:
         filled()
         for j, m in pairs:
-            if m.is_error(): bitmask[j] = -1
+            if m.is_error(): out.open(j) if isinstance(out, MaskBuffer) else bitmask[j].fill_(-1)
         return bitmask
     return finish
-
 
 def grammar_bitmask(step: Step, choices: dict, width: int, fill, out: torch.Tensor | None = None) -> torch.Tensor | None:
     "The step's host bitmask, filled now: `fill(pairs, bitmask)` fills (row, matcher) pairs (None: no grammar)."

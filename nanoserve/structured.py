@@ -226,10 +226,11 @@ class GrammarCompiler:
     def __repr__(self): return f"GrammarCompiler(vocab_size={self.vocab_size}, cached={len(self)}/{self.cache_size})"
 
 # %% ../nbs/10a_structured.ipynb #404b2e67
-def start_fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor, pool=None):
+def start_fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tensor, pool=None, zero_tail: bool = True):
     """Start filling row `row` of `bitmask` (int32 CPU [S, bitmask_width]) for every (row, matcher) pair, in
     parallel on llguidance's threads; returns `finish()`, which waits and completes the rows. With `pool` (a
-    `concurrent.futures` executor) the work runs there: llguidance drops the GIL, so the caller's Python goes on."""
+    `concurrent.futures` executor) the work runs there: llguidance drops the GIL, so the caller's Python goes on.
+    `zero_tail=False`: the words past the tokenizer's are already 0 in these rows (the caller keeps them so)."""
     if not pairs: return lambda: None
     first = pairs[0][1]
     num_words, last_bits = first._num_words, first._last_word_bits
@@ -245,7 +246,7 @@ def start_fill_bitmasks(self: GrammarCompiler, pairs: list, bitmask: torch.Tenso
         rows = [row for row, _ in pairs]
         index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)   # rows 0..P-1: a copy
         bitmask[index, :num_words] = narrow
-        bitmask[index, num_words:] = 0
+        if zero_tail: bitmask[index, num_words:] = 0
     return finish
 
 
