@@ -551,7 +551,7 @@ def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, pla
     lps, constrained, get = launched.logprobs or None, [], self._requests.get
     for j, (s, token) in enumerate(zip((s for s in step.seqs if s.sample), tokens)):
         r = get(s.seq_id)
-        if r is None or not _kept(r.seq, s, token): continue
+        if r is None or (r.seq.is_finished and not _kept(r.seq, s, token)): continue   # only a finished one drops
         if lps is not None: record_token(r, token, lps[j])
         if r.matcher is not None and token not in r.seq.stop_token_ids: constrained.append((r, token))
     if not constrained: return

@@ -123,6 +123,8 @@ class TokenLogprob:
 # %% ../nbs/11a_params.ipynb #5c71ab57
 class LogprobRows(SequenceABC):
     "A choice's `TokenLogprob`s, kept as the device's rows and made when read; `view()` is a fixed-length snapshot."
+    __slots__ = ("k", "_ids", "_rows", "_n")          # a report makes one a step per choice
+
     def __init__(self, k: int, token_ids: list | None = None, rows: list | None = None, n: int | None = None):
         self.k, self._ids, self._rows = k, [] if token_ids is None else token_ids, [] if rows is None else rows
         self._n = n
