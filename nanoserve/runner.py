@@ -685,7 +685,8 @@ def sample_launched(self: RunnerLaunch, launched: Launched, bitmask: torch.Tenso
 
 def _sample_eager(self: RunnerLaunch, launched: Launched, bitmask: torch.Tensor | None):
     "`sample` and `token_logprobs` run eagerly: (tokens [S], logprobs [S, 2 + 2k] or None)."
-    x, m = launched.x, launched.smeta or self._metadata(x := launched.x, *launched.dev)
+    x = launched.x
+    m = launched.smeta or self._metadata(x, *launched.dev)
     if bitmask is not None:
         if m.processors is None: m.processors = LogitsProcessors()
         m.processors.bitmask = bitmask.to(self.device, non_blocking=True)
