@@ -5,7 +5,6 @@
 # %% ../nbs/12_engine.ipynb #ce9b61a6
 from __future__ import annotations
 
-import copy
 import gc
 from concurrent.futures import ThreadPoolExecutor
 import itertools
@@ -29,7 +28,7 @@ from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingPa
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
 from .structured import GrammarCompiler
-from .tokenizer import IncrementalDetokenizer, default_model, load_tokenizer
+from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
 
 # %% auto #0
 __all__ = ['LEDGER_PHASES', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line', 'engine_config',
@@ -287,11 +286,18 @@ class EngineLoad(EngineSetup):
         self.model.set_kernels(model_kernels(self.kernels))
         self.tokenizer = load_tokenizer(self.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # we check lengths against the context ourselves
-        # detokenize with the Rust tokenizer directly when that gives the same text (4x less time per token)
+        # detokenize with the Rust tokenizer directly when that gives the same text (4x less time per token), and
+        # byte-level BPE through its table of bytes, when it has one
         raw = getattr(self.tokenizer, "_tokenizer", None)
         plain = raw is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
         self._detok_backend = raw if plain else self.tokenizer
+        self._byte_table = byte_level_table(raw) if plain else None
         self.eos_token_ids = self._eos_token_ids()
+
+    def _detokenizer(self, prompt_ids: list[int]):
+        "A new choice's detokenizer: byte-level BPE's table when there is one, else the window after the prompt's tail."
+        if self._byte_table is not None: return ByteDetokenizer(self._byte_table)
+        return IncrementalDetokenizer(self._detok_backend, prompt_ids)
 
     def _worker_spec(self, dtype: torch.dtype | None) -> dict:
         return worker_spec(self.engine_config, self.kernels, dtype)
@@ -431,7 +437,7 @@ def _add(self: EngineRequests, text, ids, params: SamplingParams, stream: bool =
                seed if i == 0 else hash((seed, i)) % (1 << 63))
         matcher = self.grammar_compiler.compile(spec).matcher() if spec is not None else None
         r = new_choice(seq, params, row, i, matcher, scores_prompt=i == 0, cls=_Request, stream=stream, group=group,
-                       detok=IncrementalDetokenizer(self._detok_backend, ids),
+                       detok=self._detokenizer(ids),
                        output=RequestOutput(rid, text, ids, arrival_time=now, index=i))
         self.scheduler.add(seq)
         self._requests[seq_id] = r
@@ -642,7 +648,7 @@ def _sample_deferred(self: EngineAsync, step: Step, launched: tuple, done) -> li
     if self._mask_pool is None: self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
     finish = self._start_bitmask(step, self._mask_pool)
     time.sleep(0)                                  # let the fill reach llguidance, which runs without the GIL
-    reports = self._reports(done[0], time.perf_counter()) if done is not None else []
+    reporting = self._reporting(done[0]) if done is not None else []   # before N+1's placeholders go in
     self.scheduler.advance(step)
     prepared = self._prepare_next()                # the next step, scheduled and packed while the masks fill
     try: self.runner.sample_launched(launched[0], finish())
@@ -650,7 +656,7 @@ def _sample_deferred(self: EngineAsync, step: Step, launched: tuple, done) -> li
         if prepared is not None: self.scheduler.cancel(prepared[0])
         raise
     if prepared is not None: self._launched = self._launch_prepared(prepared)
-    return reports
+    return self._reports(done[0], time.perf_counter(), reporting) if done is not None else []   # as the GPU runs both
 
 EngineAsync._sample_deferred = _sample_deferred
 
@@ -669,34 +675,39 @@ def find_stop(full: str, shown: int, stops: tuple[str, ...], finished: bool) -> 
 class EngineReports(EngineAsync):
     "Reports out: new tokens detokenized, stop strings found, finished requests released."
 
-    def _reports(self, step: Step, now: float) -> list[RequestOutput]:
-        "Outputs of the choices `step` sampled for (streamed ones, ones with stop strings, finished ones)."
+    def _reporting(self, step: Step) -> list[tuple]:
+        "What the choices `step` sampled for have to report, read now: (choice, its output's length, finished, reason)."
+        get = self._requests.get
+        return [(r, len(r.seq.output_token_ids), r.seq.is_finished, r.seq.finish_reason)
+                for r in (get(s.seq_id) for s in step.seqs if s.sample) if r is not None]
+
+    def _reports(self, step: Step, now: float, reporting: list | None = None) -> list[RequestOutput]:
+        """Outputs of the choices `step` sampled for (streamed ones, ones with stop strings, finished ones), from
+        `reporting` when that was read earlier (before the next step advanced)."""
         reports = []
-        for s in step.seqs:
-            r = self._requests.get(s.seq_id) if s.sample else None
-            if r is None: continue
+        for r, num_tokens, finished, reason in self._reporting(step) if reporting is None else reporting:
             if r.group.holds:
-                if r.seq.is_finished: reports += self._held(r, now)
-            elif r.stream or r.params.stop or r.seq.is_finished: reports.append(self._report(r, now))
+                if finished: reports += self._held(r, now, num_tokens, reason)
+            elif r.stream or r.params.stop or finished: reports.append(self._report(r, now, num_tokens, finished, reason))
             if r.output.first_token_time is None: r.output.first_token_time = now   # text comes at the end
         return reports
 
-    def _held(self, r: _Request, now: float) -> list[RequestOutput]:
+    def _held(self, r: _Request, now: float, num_tokens: int, reason: str) -> list[RequestOutput]:
         "best_of: keep a finished choice; once all are, the n of highest cumulative logprob, as indexes 0..n-1."
         group = r.group
-        group.held.append(self._report(r, now))
+        group.held.append(self._report(r, now, num_tokens, True, reason))
         if group.num_finished < len(group.choices): return []
         best = sorted(group.held, key=lambda o: -o.cumulative_logprob)[:group.params.n]
         for i, o in enumerate(best): o.index, o.request_finished = i, i == len(best) - 1
         return best
 
 # %% ../nbs/12_engine.ipynb #a5512f8e
-def _report(self: EngineReports, r: _Request, now: float) -> RequestOutput:
+def _report(self: EngineReports, r: _Request, now: float, num_tokens: int, finished: bool, reason: str | None) -> RequestOutput:
+    "A choice's report when it had `num_tokens` output tokens (and was `finished` with `reason`, or not)."
     seq, out, params = r.seq, r.output, r.params
-    new_ids = seq.output_token_ids[r.num_reported:]
-    r.num_reported = len(seq.output_token_ids)
+    new_ids = seq.output_token_ids[r.num_reported:num_tokens]
+    r.num_reported = num_tokens
     if out.first_token_time is None and new_ids: out.first_token_time = now
-    finished, reason = seq.is_finished, seq.finish_reason
     text_ids = new_ids[:-1] if finished and reason == "stop" and new_ids else new_ids   # a stop token adds no text
     delta = r.detok.extend(text_ids) + (r.detok.flush() if finished else "")
     visible = out.text + delta
@@ -706,11 +717,11 @@ def _report(self: EngineReports, r: _Request, now: float) -> RequestOutput:
             reason = "stop"
             if not finished: self.scheduler.abort(seq.seq_id, reason="stop")
             finished = True
-    out.token_ids, out.new_token_ids = list(seq.output_token_ids), new_ids
+    out.token_ids, out.new_token_ids = seq.output_token_ids[:num_tokens], new_ids
     out.new_text, out.text = visible[len(out.text):], visible
     _fill_output(out, r)
     if finished: self._finish(r, "stop" if reason == "grammar" else reason, now)
-    return copy.copy(out)              # a snapshot: later steps do not change what the caller holds
+    return out.snapshot()              # later steps do not change what the caller holds
 
 # %% ../nbs/12_engine.ipynb #b114beaa
 def _fill_output(out: RequestOutput, r: _Request) -> None:

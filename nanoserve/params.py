@@ -175,6 +175,12 @@ class RequestOutput:
         "Time to first token, seconds."
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    def snapshot(self) -> RequestOutput:
+        "A shallow copy, what a report hands out: a step makes one per streamed choice, so not through `copy.copy`'s protocol."
+        new = object.__new__(RequestOutput)
+        new.__dict__.update(self.__dict__)
+        return new
+
 # %% ../nbs/11a_params.ipynb #8bd78c77
 @dataclass(eq=False)
 class Choice:

@@ -5,8 +5,10 @@
 # %% ../nbs/03_tokenizer.ipynb #e05c22d3
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import random
 import shutil
 import tempfile
 import unicodedata
@@ -21,7 +23,7 @@ __all__ = ['QWEN2_SPLIT_PATTERN', 'ENDOFTEXT', 'IM_START', 'IM_END', 'SPECIAL_TO
            'qwen2_style_tokenizer', 'tiny_corpus', 'train_tiny_tokenizer', 'tiny_qwen2_config', 'qwen2_weight_shapes',
            'random_qwen2_weights', 'is_model_folder', 'build_tiny_model', 'cache_root', 'default_model_dir',
            'ensure_default_model', 'shipped_model_dir', 'default_model', 'load_tokenizer', 'prompt_context',
-           'IncrementalDetokenizer']
+           'IncrementalDetokenizer', 'byte_alphabet', 'byte_level_table', 'ByteDetokenizer']
 
 # %% ../nbs/03_tokenizer.ipynb #bee5559c
 QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
@@ -330,3 +332,73 @@ class IncrementalDetokenizer:
 
     def __repr__(self) -> str:
         return f"IncrementalDetokenizer({self.num_tokens} tokens, {len(self.text)} chars, {len(self._window)} in window)"
+
+# %% ../nbs/03_tokenizer.ipynb #c124f849
+def byte_alphabet() -> dict[str, int]:
+    "GPT-2's byte alphabet: the character that stands for each byte in a byte-level BPE vocabulary."
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in printable]        # shifted past 255, in byte order
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+# %% ../nbs/03_tokenizer.ipynb #78da851c
+def _token_bytes(token: str, alphabet: dict) -> bytes:
+    "A vocabulary entry's bytes as the ByteLevel decoder reads it: its characters' bytes, or its UTF-8 if one is not in the alphabet."
+    try: return bytes([alphabet[ch] for ch in token])
+    except KeyError: return token.encode()
+
+
+def _agrees(tokenizer, table: list[bytes], skip_special_tokens: bool, num_checks: int = 200) -> bool:
+    "A spot check: random id lists decode to the same text through the table as through `tokenizer.decode`."
+    rng = random.Random(0)
+    for _ in range(num_checks):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randrange(1, 12))]
+        if b"".join(table[i] for i in ids).decode(errors="replace") != tokenizer.decode(ids, skip_special_tokens=skip_special_tokens):
+            return False
+    return True
+
+# %% ../nbs/03_tokenizer.ipynb #16fe9dd0
+def byte_level_table(tokenizer, skip_special_tokens: bool = True) -> list[bytes] | None:
+    """Each id's bytes when `tokenizer` (a `tokenizers.Tokenizer`) decodes byte-level BPE, so that the text of any
+    ids is the UTF-8 of their bytes joined; None for any other decoder, or if a spot check against `decode` fails."""
+    if not isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel): return None
+    vocab, added = tokenizer.get_vocab(with_added_tokens=False), tokenizer.get_added_tokens_decoder()
+    alphabet, table = byte_alphabet(), [b""] * (max([*vocab.values(), *added, -1]) + 1)
+    for token, i in vocab.items(): table[i] = _token_bytes(token, alphabet)
+    for i, t in added.items():                     # added tokens decode as their text (special ones skipped)
+        table[i] = b"" if t.special and skip_special_tokens else tokenizer.decode([i], skip_special_tokens=False).encode()
+    return table if _agrees(tokenizer, table, skip_special_tokens) else None
+
+# %% ../nbs/03_tokenizer.ipynb #1a76cb08
+class ByteDetokenizer:
+    "The incremental detokenizer of a byte-level BPE: each id's bytes through one incremental UTF-8 decoder."
+
+    def __init__(self, table: list[bytes]):
+        self.table, self._utf8 = table, codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pieces: list[str] = []
+        self.num_tokens = 0                # output tokens added so far
+
+    def _sent(self, delta: str) -> str:
+        if delta: self._pieces.append(delta)
+        return delta
+
+    def add(self, token_id: int) -> str:
+        "Add one generated token; returns the text it completes, or '' while a character is unfinished."
+        self.num_tokens += 1               # ids past the tokenizer's (a wider model vocabulary) decode to nothing
+        return self._sent(self._utf8.decode(self.table[token_id] if token_id < len(self.table) else b""))
+
+    def extend(self, token_ids) -> str:
+        "Add several tokens with one decode."
+        table, n = self.table, len(self.table)
+        self.num_tokens += len(token_ids)
+        return self._sent(self._utf8.decode(b"".join([table[t] if t < n else b"" for t in token_ids])))
+
+    def flush(self) -> str:
+        "Send what is held back (an unfinished character shows as U+FFFD); call once, when the sequence ends."
+        return self._sent(self._utf8.decode(b"", final=True))
+
+    @property
+    def text(self) -> str:
+        "All text sent so far."
+        return "".join(self._pieces)
+
+    def __repr__(self) -> str: return f"ByteDetokenizer({self.num_tokens} tokens, {len(self.text)} chars)"

@@ -186,6 +186,35 @@ def test_constrained_steps_pipeline_as_sync_does(engines):
     assert e._launched is None and e._inflight is None and not e.has_unfinished_requests()
 
 
+def streamed(e, prompts, params) -> dict:
+    "Every report `step()` hands out, per request (in order) and choice: (token ids, new text, text, finished, reason)."
+    order = {e.add_request(p, sp): k for k, (p, sp) in enumerate(zip(prompts, params))}
+    got = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            got.setdefault((order[o.request_id], o.index), []).append((o.token_ids, o.new_text, o.text, o.finished, o.finish_reason))
+    assert_all_free(e)
+    return got
+
+
+def test_constrained_streams_report_as_sync_does(engines):
+    """A constrained step's reports come after the next step is queued (read before it advances): streamed reports,
+    stop strings (an abort two steps ahead of the reports), best_of and n under a grammar give sync's reports."""
+    prompts = [random_prompt(5 + i, 3072, seed=40 + i) for i in range(10)]
+    regex = StructuredOutputs(regex="[a-e ]{4,40}")
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=1.0, seed=i, structured_outputs=regex,
+                             stop=["a", "b c"] if i % 3 == 0 else None, n=2 if i == 4 else 1,
+                             best_of=3 if i == 7 else None, logprobs=1 if i % 2 else None,
+                             presence_penalty=0.4 * (i % 4 == 1)) for i in range(10)]
+    got = {m: streamed(e, prompts, params) for m, e in engines.items()}
+    assert got["sync"] == got["async"]
+    reasons = [r[-1][4] for r in got["sync"].values()]
+    assert "stop" in reasons and sum(len(r) for r in got["sync"].values()) > 3 * len(reasons)   # streamed, some stopped
+    for reports in got["sync"].values():
+        assert all(ids == [t for t in ids if t >= 0] for ids, *_ in reports)     # never a placeholder
+        assert [r[3] for r in reports].count(True) == 1 and reports[-1][3]
+
+
 def test_bad_grammar_is_a_value_error(engines):
     e = engines["sync"]
     with pytest.raises(ValueError, match="regex|invalid"):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import nanoserve.tokenizer as T
-from nanoserve.tokenizer import (IM_END, IM_START, ENDOFTEXT, REPLACEMENT_CHAR, TINY_MODEL_NAME, IncrementalDetokenizer,
-                                 build_tiny_model, default_model_dir, ensure_default_model, is_model_folder,
+from nanoserve.tokenizer import (IM_END, IM_START, ENDOFTEXT, REPLACEMENT_CHAR, TINY_MODEL_NAME, ByteDetokenizer,
+                                 IncrementalDetokenizer, build_tiny_model, byte_level_table, default_model_dir, ensure_default_model, is_model_folder,
                                  load_tokenizer, tiny_corpus)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,3 +272,63 @@ def test_detokenizer_accepts_a_raw_tokenizer_and_a_prompt_ending_mid_character(t
     out = emoji[2:] + raw.encode(" ok").ids
     deltas, tail, d = _stream(raw, out, prompt)
     assert d.text == raw.decode(out) and d.text.startswith(REPLACEMENT_CHAR)
+
+
+# -- byte-level BPE's table of bytes ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def raw_tok(tiny_dir):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+
+
+def test_byte_detokenizer_equals_full_decode_on_random_ids(raw_tok):
+    rng = random.Random(99)
+    vocab = raw_tok.get_vocab_size()
+    tables = {skip: byte_level_table(raw_tok, skip) for skip in (True, False)}
+    single_bytes = [i for i in range(vocab) if len(raw_tok.id_to_token(i)) == 1]
+    nasty = single_bytes + [3069, 3070, 3071] * 8 + list(range(256, 600)) + [vocab + 5]   # bytes, specials, merges, past the end
+    for n in range(2000):
+        pool = nasty if n % 3 else range(vocab)
+        ids = [rng.choice(pool) for _ in range(rng.randrange(0, 40))]
+        skip = n % 4 < 2
+        d = ByteDetokenizer(tables[skip])
+        deltas = [d.add(t) for t in ids]
+        assert "".join(deltas) + d.flush() == d.text == raw_tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+        assert d.num_tokens == len(ids)
+        d, cut = ByteDetokenizer(tables[skip]), rng.randrange(0, len(ids) + 1)
+        assert d.extend(ids[:cut]) + d.extend(ids[cut:]) + d.flush() == raw_tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_detokenizer_streams_real_text_and_holds_half_characters(raw_tok):
+    ids = raw_tok.encode(VARIED_TEXT).ids
+    d = ByteDetokenizer(byte_level_table(raw_tok))
+    deltas = [d.add(t) for t in ids]
+    assert d.text + d.flush() == raw_tok.decode(ids)
+    assert not any(REPLACEMENT_CHAR in x for x in deltas)      # valid text: never a half character sent
+    emoji = raw_tok.encode("🙂").ids
+    d = ByteDetokenizer(byte_level_table(raw_tok))
+    assert [d.add(t) for t in emoji] == [""] * (len(emoji) - 1) + ["🙂"]
+
+
+def test_byte_level_table_only_for_byte_level_decoders(raw_tok):
+    from tokenizers import Tokenizer, decoders, models
+    sp = Tokenizer(models.BPE(vocab={"▁a": 0, "b": 1}, merges=[]))
+    sp.decoder = decoders.Metaspace()
+    assert byte_level_table(sp) is None
+    assert byte_level_table(object()) is None                  # no decoder at all
+    table = byte_level_table(raw_tok)
+    assert len(table) == raw_tok.get_vocab_size() and table[raw_tok.token_to_id(IM_END)] == b""
+
+
+def test_engine_detokenizes_through_the_table_when_it_has_one(tiny_dir):
+    from nanoserve.engine import LLM
+    from nanoserve.params import SamplingParams
+    llm = LLM(tiny_dir, max_num_seqs=4, num_kv_blocks=64)
+    assert llm._byte_table is not None and isinstance(llm._detokenizer([1, 2]), ByteDetokenizer)
+    out = llm.generate(["Hello, world"], SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True))[0]
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    llm._byte_table = None                                     # the window: the same text
+    assert isinstance(llm._detokenizer([1, 2]), IncrementalDetokenizer)
+    again = llm.generate(["Hello, world"], SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True))[0]
+    assert (again.token_ids, again.text) == (out.token_ids, out.text)
