@@ -155,9 +155,12 @@ def check(model_dir, s: Settings, res: dict, dtype: str) -> None:
 
 # ---- 1. penalties and logprobs -----------------------------------------------------------------------------------
 def penalties(model_dir, s: Settings, res: dict, dtype: str) -> None:
-    "Plain against penalised steps, with the sampler replayed as a graph (the default) and run eagerly (the control)."
+    """Plain against penalised steps, with the sampler replayed as a graph (the default) and run eagerly (a control),
+    and text made through the window detokenizer instead of byte-level BPE's table (another)."""
     engines = {"sampler_graphs": LLM(model_dir, dtype=dtype, **s.engine),
-               "eager_sampler": LLM(model_dir, dtype=dtype, sampler_graphs=False, **s.engine)}
+               "eager_sampler": LLM(model_dir, dtype=dtype, sampler_graphs=False, **s.engine),
+               "window_detok": LLM(model_dir, dtype=dtype, **s.engine)}
+    engines["window_detok"]._byte_table = None     # the lab's variant: text through the window, not the byte table
     plain = SamplingParams(max_tokens=s.max_tokens, temperature=1.0, ignore_eos=True)
     configs = {"plain": plain, "penalties_logprobs5": replace(plain, **PENALIZED)}
     cells = [(e, c) for e in engines for c in configs]
@@ -190,6 +193,7 @@ def penalties(model_dir, s: Settings, res: dict, dtype: str) -> None:
                      "plain_graphs_over_eager": med["sampler_graphs/plain"] / med["eager_sampler/plain"],
                      "penalised_graphs_over_eager": med["sampler_graphs/penalties_logprobs5"]
                      / med["eager_sampler/penalties_logprobs5"],
+                     "table_over_window_detok": {c: med[f"sampler_graphs/{c}"] / med[f"window_detok/{c}"] for c in configs},
                      "target_ratio": target, "meets_target": ratio <= target})
         print("penalties", {k: v for k, v in rows[-1].items() if k not in ("ms_per_step", "ledger")}, flush=True)
         print("ledger ms", {k: {p: round(v * 1e3, 3) for p, v in L.items() if p not in ("steps", "tokens_per_step")}
