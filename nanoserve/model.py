@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -17,32 +17,53 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields', 'read_config_json', 'ModelConfig', 'RMSNorm',
-           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'write_kv',
-           'decode_attention_ref', 'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels',
-           'linear', 'rms_norm', 'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP',
-           'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
+__all__ = ['FAMILIES', 'ROPE_TYPES', 'TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields', 'read_config_json',
+           'RopeScaling', 'ModelConfig', 'RMSNorm', 'rope_inv_freq', 'RotaryEmbedding', 'rotate_half', 'apply_rotary',
+           'PrefillChunk', 'AttentionMetadata', 'write_kv', 'decode_attention_ref', 'prefill_attention_ref',
+           'attend_ref', 'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm', 'mlp_gemv', 'gemv_takes_norm',
+           'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict',
+           'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
+FAMILIES = MappingProxyType({       # model_type -> what its config.json leaves out
+    "qwen2": dict(attention_bias=True), "qwen3": dict(attention_bias=False, qk_norm=True),
+    "llama": dict(attention_bias=False), "mistral": dict(attention_bias=False)})
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_dict(d: dict) -> dict:
+    "The rotary parameters of either layout (transformers 5's `rope_parameters`, 4's `rope_scaling`)."
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope: rope["rope_type"] = rope.pop("type")
+    return rope
+
+
 def check_supported(d: dict) -> None:
-    "Refuse a `config.json` dict that asks for what our forward pass does not implement."
-    if d.get("model_type", "qwen2") != "qwen2":
-        raise ValueError(f"config: model_type {d.get('model_type')!r} is not supported (only qwen2)")
-    if d.get("use_sliding_window"): raise ValueError("config: sliding-window attention is not supported")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ValueError(f"config: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    if "head_dim" in d and d["head_dim"] != d["hidden_size"] // d["num_attention_heads"]:
-        raise ValueError("config: head_dim other than hidden_size // num_attention_heads is not supported")
+    "Refuse a `config.json` dict that asks for what our forward pass does not implement, naming the field."
+    family = d.get("model_type", "qwen2")
+    if family not in FAMILIES:
+        raise ValueError(f"config: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+    if d.get("use_sliding_window"): raise ValueError("config: use_sliding_window: sliding-window attention is not supported")
+    window, context = d.get("sliding_window"), d.get("max_position_embeddings", 32768)
+    if family == "mistral" and window is not None and window < context:
+        raise ValueError(f"config: sliding_window {window} is shorter than max_position_embeddings {context}: "
+                         "sliding-window attention is not supported")
+    for key, ok in (("hidden_act", "silu"), ("mlp_bias", False), ("partial_rotary_factor", 1.0)):
+        if d.get(key, ok) != ok: raise ValueError(f"config: {key} {d[key]!r} is not supported (only {ok!r})")
+    rope = _rope_dict(d)
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        raise ValueError(f"config: rope type {rope['rope_type']!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 # %% ../nbs/02_model.ipynb #d6063af7
 def hf_config_fields(d: dict) -> dict:
-    "`ModelConfig`'s fields from a `config.json` dict of either layout (transformers 4 or 5)."
+    "`ModelConfig`'s fields from a `config.json` dict of either layout (transformers 4 or 5), of any family."
     check_supported(d)
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    family, rope = d.get("model_type", "qwen2"), _rope_dict(d)
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = rope.pop("rope_type", "default")
     eos = d.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    defaults = FAMILIES[family]
     return dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                 intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
                 num_attention_heads=d["num_attention_heads"],
@@ -50,7 +71,11 @@ def hf_config_fields(d: dict) -> dict:
                 max_position_embeddings=d.get("max_position_embeddings", 32768),
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_ids=eos)
+                dtype=d.get("dtype") or d.get("torch_dtype") or "bfloat16", eos_token_ids=eos,
+                model_type=family, head_dim=d.get("head_dim") or 0,
+                attention_bias=bool(d.get("attention_bias", defaults["attention_bias"])),
+                qk_norm=defaults.get("qk_norm", False),
+                rope_scaling=None if rope_type == "default" else RopeScaling.from_dict(rope_type, rope))
 
 # %% ../nbs/02_model.ipynb #679f9021
 def read_config_json(model_dir) -> dict:
@@ -69,6 +94,34 @@ def read_config_json(model_dir) -> dict:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
+class RopeScaling:
+    "A scaled rotary embedding: its type and the factors its config gives (transformers' names and defaults)."
+    rope_type: str                               # "linear", "llama3" or "yarn"
+    factor: float
+    original_max_position_embeddings: int | None = None   # llama3, yarn: the context it was trained at
+    low_freq_factor: float = 1.0                 # llama3
+    high_freq_factor: float = 4.0                # llama3
+    beta_fast: float = 32.0                      # yarn: the ramp's ends, in rotations
+    beta_slow: float = 1.0
+    attention_factor: float | None = None        # yarn: cos/sin scale (None: from the factor and mscales)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True                        # yarn: round the ramp's ends to whole dimensions
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES[1:]: raise ValueError(f"config: rope type {self.rope_type!r} is not supported")
+        if not self.factor >= 1: raise ValueError(f"config: rope factor must be >= 1, got {self.factor}")
+        if self.rope_type != "linear" and not self.original_max_position_embeddings:
+            raise ValueError(f"config: {self.rope_type} rope needs original_max_position_embeddings")
+
+    @classmethod
+    def from_dict(cls, rope_type: str, d: dict) -> "RopeScaling":
+        known = {f.name for f in fields(cls)} - {"rope_type"}
+        unknown = sorted(set(d) - known)
+        if unknown: raise ValueError(f"config: {rope_type} rope field {unknown[0]!r} is not supported")
+        return cls(rope_type, **{k: v for k, v in d.items() if v is not None})
+
+@dataclass(frozen=True)
 class ModelConfig:
     "The Qwen2 hyper-parameters our forward pass uses."
     vocab_size: int
@@ -83,21 +136,27 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen2"                 # the family (`FAMILIES`), for errors and reports
+    head_dim: int = 0                         # 0: hidden_size // num_attention_heads (Qwen3 gives its own)
+    attention_bias: bool = True               # a bias on Q, K and V (Qwen2's)
+    qk_norm: bool = False                     # RMSNorm per head on q and k before RoPE (Qwen3's)
+    rope_scaling: RopeScaling | None = None   # None: plain RoPE
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) < 1: raise ValueError(f"config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
+                                 f"num_attention_heads {self.num_attention_heads} (and no head_dim is given)")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim < 1 or self.head_dim % 2: raise ValueError(f"config: head_dim must be even and >= 2, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not divisible by "
                              f"num_key_value_heads {self.num_key_value_heads}")
         if self.dtype not in _DTYPES: raise ValueError(f"config: unsupported dtype {self.dtype!r}")
 
-    @property
-    def head_dim(self) -> int: return self.hidden_size // self.num_attention_heads
     @property
     def num_queries_per_kv(self) -> int: return self.num_attention_heads // self.num_key_value_heads
 
@@ -124,20 +183,56 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 # %% ../nbs/02_model.ipynb #e8a9911a
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    "YaRN's frequencies: the plain ones past the ramp, the divided ones before it, blended along it."
+    def dim_of(rotations):       # the dimension whose wavelength fits `rotations` times in the original context
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate: low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / max(high - low, 0.001)).clamp(0, 1)                                # [D/2]
+    keep = 1 - ramp                              # 1: extrapolate (the plain frequency), 0: interpolate
+    factor = s.attention_factor
+    if factor is None:
+        m = lambda scale, k=1.0: 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+        factor = m(s.factor, s.mscale) / m(s.factor, s.mscale_all_dim) if s.mscale and s.mscale_all_dim else m(s.factor)
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep, float(factor)
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    "llama3's frequencies: long wavelengths divided by the factor, short ones kept, a smooth blend between."
+    wavelen = 2 * math.pi / inv_freq
+    ctx = s.original_max_position_embeddings
+    smooth = (ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    out = torch.where(wavelen > ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
+    return torch.where(medium, blended, out)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> tuple[torch.Tensor, float]:
+    "Each dimension pair's frequency [D/2] and the factor on cos and sin, for plain or scaled RoPE."
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if scaling is None: return inv_freq, 1.0
+    if scaling.rope_type == "linear": return inv_freq / scaling.factor, 1.0
+    if scaling.rope_type == "llama3": return _llama3(inv_freq, scaling), 1.0
+    return _yarn(inv_freq, head_dim, theta, scaling)
+
+# %% ../nbs/02_model.ipynb #a3667633
 class RotaryEmbedding(nn.Module):
-    "Precomputed RoPE cos/sin table; `cos_sin(positions)` gathers one step's rows."
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    "Precomputed RoPE cos/sin table (plain or scaled); `cos_sin(positions)` gathers one step's rows."
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos_sin_table", torch.empty(0), persistent=False)
 
     def build(self, device, dtype) -> None:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
-                                         / self.head_dim))
+        inv_freq, factor = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)   # [D/2]
         pos = torch.arange(self.max_positions, device=device).float()
         freqs = pos[:, None] * inv_freq[None, :]                          # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                           # [P, D]
-        self.cos_sin_table = torch.stack((emb.cos(), emb.sin())).to(dtype)  # [2, P, D]
+        self.cos_sin_table = (torch.stack((emb.cos(), emb.sin())) * factor).to(dtype)  # [2, P, D]
 
     def cos_sin(self, positions: torch.Tensor):
         cs = self.cos_sin_table[:, positions]                             # [2, T, D]
@@ -294,13 +389,16 @@ def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torc
 
 # %% ../nbs/02_model.ipynb #672cf8b0
 class Qwen2Attention(nn.Module):
-    "Grouped-query attention on the paged cache: QKV projection (with bias), the table's attention, O projection."
+    """Grouped-query attention on the paged cache: QKV projection (a bias if the family has one), RMSNorm per head on
+    q and k (Qwen3), the table's attention, O projection."""
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
@@ -310,9 +408,18 @@ class Qwen2Attention(nn.Module):
     def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
         "Attention and the output projection, from the QKV projection's output."
         T = qkv.shape[0]
+        if self.q_norm is not None: qkv = self.norm_qk(qkv, kernels)
         out = kernels.attention(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads,
                                 self.scale, pdl=kernels.pdl)                         # [T, H, D]
         return linear(self.o_proj, out.view(T, self.q_size), kernels.gemv, kernels.pdl)   # [T, hidden]
+
+    def norm_qk(self, qkv, kernels: ModelKernels = TORCH_KERNELS):
+        "Qwen3: q and k normalised per head (each head's D values, one weight shared by the heads), v as it was."
+        T, D = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rms_norm(self.q_norm, q.reshape(T * self.num_heads, D), None, kernels)      # [T*H, D]
+        k = rms_norm(self.k_norm, k.reshape(T * self.num_kv_heads, D), None, kernels)   # [T*KVH, D]
+        return torch.cat([q.view(T, self.q_size), k.view(T, self.kv_size), v], dim=-1)  # [T, (H+2KVH)*D]
 
 # %% ../nbs/02_model.ipynb #d554ad06
 class Qwen2MLP(nn.Module):
@@ -354,14 +461,14 @@ class Qwen2DecoderLayer(nn.Module):
 
 # %% ../nbs/02_model.ipynb #15a2ccc7
 class Qwen2ForCausalLM(nn.Module):
-    "Qwen2 decoder over a flat batch of tokens and a paged KV cache."
+    "The decoder of every family in `FAMILIES` over a flat batch of tokens and a paged KV cache."
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels = TORCH_KERNELS    # the kernel table every forward pass reads (`set_kernels`)
         self.logits_gather = None       # tensor parallel: joins every rank's vocabulary slice (that chapter)
@@ -426,7 +533,7 @@ def load_state_dict(model_dir, device="cpu") -> dict[str, torch.Tensor]:
 
 # %% ../nbs/02_model.ipynb #08e30ba2
 def _our_params(cfg: ModelConfig, ckpt: dict) -> dict[str, torch.Tensor]:
-    "Map checkpoint tensors to our parameter names, fusing QKV and gate/up."
+    "Map checkpoint tensors to our parameter names, fusing QKV and gate/up (the same names in every family)."
     def get(name):
         if name not in ckpt: raise KeyError(f"checkpoint lacks tensor {name!r}")
         return ckpt[name]
@@ -434,7 +541,11 @@ def _our_params(cfg: ModelConfig, ckpt: dict) -> dict[str, torch.Tensor]:
     for i in range(cfg.num_hidden_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
-        out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+        if cfg.attention_bias:
+            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+        if cfg.qk_norm:
+            out[f"layers.{i}.self_attn.q_norm.weight"] = get(a + "q_norm.weight")
+            out[f"layers.{i}.self_attn.k_norm.weight"] = get(a + "k_norm.weight")
         out[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
         out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
         out[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
@@ -445,7 +556,7 @@ def _our_params(cfg: ModelConfig, ckpt: dict) -> dict[str, torch.Tensor]:
 
 # %% ../nbs/02_model.ipynb #4ad872fa
 def load_model(model_dir, dtype: torch.dtype | None = None, device="cpu") -> Qwen2ForCausalLM:
-    "Build our Qwen2 from a Hugging Face model folder (config.json + safetensors)."
+    "Build our decoder from a Hugging Face model folder (config.json + safetensors) of any family in `FAMILIES`."
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     dtype = dtype or _DTYPES[cfg.dtype]
