@@ -125,16 +125,17 @@ def _vocab_slice(weight: torch.Tensor, rank: int, world_size: int) -> tuple[torc
 
 # %% ../nbs/11_tensor_parallel.ipynb #ba27f121
 def shard_attention(a: nn.Module, cfg: ModelConfig, rank: int, world_size: int, group=None) -> None:
-    "Rank `rank`'s heads of one attention layer: QKV column-parallel (its heads' rows), O row-parallel."
+    """Rank `rank`'s heads of one attention layer: QKV column-parallel (its heads' rows), O row-parallel; Qwen3's
+    q/k norms act within a head, so every rank keeps them whole."""
     D, H, KVH = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h, k = H // world_size, KVH // world_size
     q_w, k_w, v_w = a.qkv_proj.weight.split([H * D, KVH * D, KVH * D])                  # column-parallel
-    q_b, k_b, v_b = a.qkv_proj.bias.split([H * D, KVH * D, KVH * D])
-    qkv = nn.Linear(cfg.hidden_size, (h + 2 * k) * D, bias=True, dtype=q_w.dtype, device=q_w.device)
-    qkv.weight = nn.Parameter(torch.cat([_rows(q_w, rank * h * D, h * D), _rows(k_w, rank * k * D, k * D),
-                                         _rows(v_w, rank * k * D, k * D)]), requires_grad=False)
-    qkv.bias = nn.Parameter(torch.cat([_rows(q_b, rank * h * D, h * D), _rows(k_b, rank * k * D, k * D),
-                                       _rows(v_b, rank * k * D, k * D)]), requires_grad=False)
+    mine = lambda q, k_, v: torch.cat([_rows(q, rank * h * D, h * D), _rows(k_, rank * k * D, k * D),
+                                       _rows(v, rank * k * D, k * D)])           # this rank's heads of Q, K, V
+    qkv = nn.Linear(cfg.hidden_size, (h + 2 * k) * D, bias=a.qkv_proj.bias is not None, dtype=q_w.dtype, device=q_w.device)
+    qkv.weight = nn.Parameter(mine(q_w, k_w, v_w), requires_grad=False)
+    if qkv.bias is not None:                     # Qwen2's bias; the other families have none
+        qkv.bias = nn.Parameter(mine(*a.qkv_proj.bias.split([H * D, KVH * D, KVH * D])), requires_grad=False)
     a.qkv_proj = qkv
     a.o_proj = RowParallelLinear(a.o_proj.weight[:, rank * h * D:(rank + 1) * h * D].clone(), group)   # row-parallel
     a.num_heads, a.num_kv_heads = h, k

@@ -49,20 +49,26 @@ def build_tokenizer_source(root) -> Path:
     return path if path.is_dir() else build_tiny_model(path)
 
 
-def make_checkpoint(path, *, seed: int = 0, std: float = INIT_STD, tokenizer_from=None, max_shard_size=None,
-                    **overrides):
-    """Save a random transformers `Qwen2ForCausalLM` (fp32, eval mode) to `path` and return it.
+FAMILY_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                  "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
-    transformers zero-initialises biases, so every bias gets random values too (a loader that forgot the QKV bias
-    would otherwise pass). With `tokenizer_from` (a model folder), its tokenizer files are copied in, so that
-    `LLM(path)` can load the folder."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+def make_checkpoint(path, *, seed: int = 0, std: float = INIT_STD, tokenizer_from=None, max_shard_size=None,
+                    family: str = "qwen2", **overrides):
+    """Save a random transformers model of `family` (`Qwen2ForCausalLM` by default; fp32, eval mode) to `path` and
+    return it.
+
+    transformers zero-initialises biases and sets norms to ones, so every bias and norm weight gets random values
+    too (a loader that forgot the QKV bias or Qwen3's q/k norms would otherwise pass). With `tokenizer_from` (a
+    model folder), its tokenizer files are copied in, so that `LLM(path)` can load the folder."""
+    import transformers
     quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = Qwen2Config(**{**BASE_CONFIG, "initializer_range": std, **overrides})
-    hf = Qwen2ForCausalLM(cfg).float().eval()
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
+    cfg = config_cls(**{**BASE_CONFIG, "initializer_range": std, **overrides})
+    hf = model_cls(cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias"): p.normal_(0.0, std)
