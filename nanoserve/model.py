@@ -91,8 +91,6 @@ def read_config_json(model_dir) -> dict:
     return d
 
 # %% ../nbs/02_model.ipynb #28bcfa65
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 @dataclass(frozen=True)
 class RopeScaling:
     "A scaled rotary embedding: its type and the factors its config gives (transformers' names and defaults)."
@@ -120,6 +118,10 @@ class RopeScaling:
         unknown = sorted(set(d) - known)
         if unknown: raise ValueError(f"config: {rope_type} rope field {unknown[0]!r} is not supported")
         return cls(rope_type, **{k: v for k, v in d.items() if v is not None})
+
+
+# %% ../nbs/02_model.ipynb #9255bb2d
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class ModelConfig:
