@@ -125,7 +125,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    "The Qwen2 hyper-parameters our forward pass uses."
+    "The hyper-parameters our forward pass uses, for every family in `FAMILIES`."
     vocab_size: int
     hidden_size: int
     intermediate_size: int
