@@ -17,28 +17,55 @@ from .runtime import (
     INTERPRET, add_fn, launch_options, max_fn, num_sms, pdl_launch_next, pdl_wait, row_max, row_sum, split_counters)
 
 # %% auto #0
-__all__ = ['rope_cache_ref', 'rope_cache_kernel', 'rope_cache', 'decode_attention_ref', 'paged_kv', 'online_softmax',
-           'decode_rope', 'decode_finish', 'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n',
-           'choose_num_splits', 'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m',
-           'prefill_tile_map', 'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
+__all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
+           'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'decode_finish',
+           'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'choose_num_splits',
+           'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
+           'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
-def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int):
+def head_rms_norm_ref(x, weight, eps: float):
+    "RMSNorm of each head [..., D] over its D values, in fp32 (Qwen3's q and k norms)."
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rope_cache_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int,
+                   qk_norm: tuple | None = None):
     "Torch reference of `rope_cache`."
     T, D = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
-    q = apply_rotary(q.reshape(T, num_heads, D), cos, sin)       # [T, H, D]
-    k = apply_rotary(k.reshape(T, num_kv_heads, D), cos, sin)    # [T, KVH, D]
+    q, k = q.reshape(T, num_heads, D), k.reshape(T, num_kv_heads, D)                  # [T, H, D], [T, KVH, D]
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = head_rms_norm_ref(q, q_weight, eps), head_rms_norm_ref(k, k_weight, eps)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     keep = slot_mapping >= 0
     write_kv(k_cache, v_cache, k[keep], v.reshape(T, num_kv_heads, D)[keep], slot_mapping[keep])
     return q
+
+# %% ../nbs/06_attention.ipynb #0d5451e8
+@triton.jit
+def halves_rms_norm(x1, x2, weight_ptr, d, eps, HALF: tl.constexpr):
+    "RMSNorm of heads held as two halves [R, D/2] (fp32), over each head's D values; the weight's halves at `d`."
+    rstd = tl.rsqrt((row_sum(x1 * x1) + row_sum(x2 * x2)) / (2 * HALF) + eps)[:, None]          # [R, 1]
+    w1 = tl.load(weight_ptr + d).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)[None, :]
+    return x1 * rstd * w1, x2 * rstd * w2
+
+
+def qk_norm_args(qkv: torch.Tensor, qk_norm: tuple | None) -> tuple:
+    "The kernels' (q weight, k weight, eps) arguments; without a norm any pointer and 0."
+    return (qkv, qkv, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
 
 # %% ../nbs/06_attention.ipynb #06ceca81
 @triton.jit
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                       stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_cache_slot, stride_cache_h,
+                      q_norm_ptr, k_norm_ptr, eps,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, QK_NORM: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # every input here is the previous kernels' output
     t = tl.program_id(0)
@@ -52,6 +79,8 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_
     qm = h[:, None] < NUM_HEADS
     q1 = tl.load(row + h[:, None] * HEAD_DIM + d[None, :], mask=qm, other=0.0).to(tl.float32)
     q2 = tl.load(row + h[:, None] * HEAD_DIM + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = halves_rms_norm(q1, q2, q_norm_ptr, d, eps, HALF)
     qo = q_out_ptr + t * stride_qo_t + h[:, None] * stride_qo_h + d[None, :]
     tl.store(qo, (q1 * cos - q2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
     tl.store(qo + HALF, (q2 * cos + q1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
@@ -63,6 +92,8 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_
         vr = row + (NUM_HEADS + NUM_KV_HEADS + h[:, None]) * HEAD_DIM + d[None, :]
         k1 = tl.load(kr, mask=km, other=0.0).to(tl.float32)
         k2 = tl.load(kr + HALF, mask=km, other=0.0).to(tl.float32)
+        if QK_NORM:
+            k1, k2 = halves_rms_norm(k1, k2, k_norm_ptr, d, eps, HALF)
         dst = slot * stride_cache_slot + h[:, None] * stride_cache_h + d[None, :]
         tl.store(k_cache_ptr + dst, (k1 * cos - k2 * sin).to(k_cache_ptr.dtype.element_ty), mask=km)
         tl.store(k_cache_ptr + dst + HALF, (k2 * cos + k1 * sin).to(k_cache_ptr.dtype.element_ty), mask=km)
@@ -76,8 +107,9 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_
 
 
 def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int,
-               pdl: bool = False):
-    "Rotate q and k of `qkv` [T, (H+2KVH)*D] by `cos`/`sin` [T, D]; store k, v in their cache slots; return q [T, H, D]."
+               pdl: bool = False, qk_norm: tuple | None = None):
+    """Rotate q and k of `qkv` [T, (H+2KVH)*D] by `cos`/`sin` [T, D]; store k, v in their cache slots; return q
+    [T, H, D]. `qk_norm` = (q weight [D], k weight [D], eps): each head normalised first."""
     T = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -85,9 +117,10 @@ def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, nu
     if T == 0: return q
     rope_cache_kernel[(T,)](qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
                             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
-                            k_cache.stride(1), k_cache.stride(2),
+                            k_cache.stride(1), k_cache.stride(2), *qk_norm_args(qkv, qk_norm),
                             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                            BLOCK_H=triton.next_power_of_2(num_heads), UPCAST=INTERPRET, PDL=pdl,
+                            BLOCK_H=triton.next_power_of_2(num_heads), UPCAST=INTERPRET, QK_NORM=qk_norm is not None,
+                            PDL=pdl,
                             **launch_options(pdl))
     return q
 
@@ -123,9 +156,19 @@ def online_softmax(s, v, m_i, l_i, acc):
 
 # %% ../nbs/06_attention.ipynb #5e2f8a40
 @triton.jit
+def head_norm_pair(xa, xb, weight_ptr, d, partner, eps, HEAD_DIM: tl.constexpr):
+    "RMSNorm of whole heads `xa` [R, D] and of their partner-ordered copies `xb` (the same values, permuted)."
+    rstd = tl.rsqrt(row_sum(xa * xa) / HEAD_DIM + eps)[:, None]                                # [R, 1]
+    wa = tl.load(weight_ptr + d).to(tl.float32)[None, :]
+    wb = tl.load(weight_ptr + partner).to(tl.float32)[None, :]
+    return xa * rstd * wa, xb * rstd * wb
+
+
+@triton.jit
 def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm, d,
-                t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, NUM_HEADS: tl.constexpr,
-                G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+                t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr, k_norm_ptr, eps,
+                NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                TILE_N: tl.constexpr, QK_NORM: tl.constexpr):
     """The query heads [BLOCK_G, D] of token `seq`'s QKV row, rotated. Its KV head's key (rotated) and value go to
     the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the context's last)."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -136,10 +179,14 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
     sin = tl.load(sin_ptr + seq * stride_cos + d % HALF).to(tl.float32)[None, :]
     qa = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0.0).to(tl.float32)
     qb = tl.load(row + heads[:, None] * HEAD_DIM + partner[None, :], mask=gm, other=0.0).to(tl.float32)
+    if QK_NORM:                                       # each head over its D values, before the rotation
+        qa, qb = head_norm_pair(qa, qb, q_norm_ptr, d, partner, eps, HEAD_DIM)
     q = tl.where(first, qa * cos - qb * sin, qa * cos + qb * sin).to(q_ptr.dtype.element_ty)    # [BLOCK_G, D]
     k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
     ka = tl.load(k_row + d).to(tl.float32)[None, :]
     kb = tl.load(k_row + partner).to(tl.float32)[None, :]
+    if QK_NORM:
+        ka, kb = head_norm_pair(ka, kb, k_norm_ptr, d, partner, eps, HEAD_DIM)
     k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin).to(k_cache_ptr.dtype.element_ty)  # [1, D]
     v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(v_cache_ptr.dtype.element_ty)[None, :]
     last = ctx - 1                                    # the new token's position; its split writes it
@@ -187,11 +234,11 @@ def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_pt
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                             part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                            cos_ptr, sin_ptr, slot_mapping_ptr, stride_cos,
+                            cos_ptr, sin_ptr, slot_mapping_ptr, stride_cos, q_norm_ptr, k_norm_ptr, eps,
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
-                            ROPE: tl.constexpr = False, PDL: tl.constexpr = False):
+                            ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
@@ -209,8 +256,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     gm = g[:, None] < G
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
         q = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm,
-                        d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, NUM_HEADS, G,
-                        HEAD_DIM, BLOCK_SIZE, TILE_N)
+                        d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr,
+                        k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE, TILE_N, QK_NORM)
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
@@ -275,12 +322,13 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 # %% ../nbs/06_attention.ipynb #9c1e5b70
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
-                     rope: tuple | None = None):
+                     rope: tuple | None = None, qk_norm: tuple | None = None):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
     `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
-    writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context)."""
+    writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context), with
+    `qk_norm` = (q weight, k weight, eps) normalising each head first."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -291,6 +339,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device))
     merge = num_splits > 1 and merge_in_kernel
     part_out, part_lse, counters = split_buffers(out, KVH, num_splits, merge)
+    assert qk_norm is None or rope is not None, "qk_norm is applied with the rotation: pass rope"
     if rope is not None:                          # the kernel reads q, k and v from `qkv` through q's pointer
         q, cos, sin, slots = rope
         assert q.stride(-1) == 1 and cos.stride(-1) == 1 and q.shape[-1] == (H + 2 * KVH) * D
@@ -300,9 +349,10 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     decode_attention_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), *rope_args,
+        block_tables.stride(0), out.stride(0), out.stride(1), *rope_args, *qk_norm_args(q, qk_norm),
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
-        TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None, PDL=pdl,
+        TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
+        QK_NORM=qk_norm is not None, PDL=pdl,
         num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
@@ -406,17 +456,19 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
 
 # %% ../nbs/06_attention.ipynb #8ca92d60
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
-                    pdl: bool = False, rope_in_decode: bool = True):
+                    pdl: bool = False, rope_in_decode: bool = True, qk_norm: tuple | None = None):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
     kernels use programmatic dependent launch (the runtime chapter). A decode-only step with `rope_in_decode` is
-    one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control)."""
+    one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control).
+    `qk_norm` = (q weight, k weight, eps): Qwen3's per-head norm, done by whichever kernel rotates."""
     nd = meta.num_decode_tokens
     if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                 meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,
-                                rope=(qkv, cos, sin, meta.slot_mapping))
-    q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl)
+                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm)
+    q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl,
+                   qk_norm=qk_norm)
     out = torch.empty_like(q)
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,

@@ -347,6 +347,7 @@ class ModelKernels:
     gemv: Callable | None = None         # fused.gemv: one-row projections on a GPU; None: nn.Linear
     norm_in_gemv: bool = False           # with gemv and add_rmsnorm: the gemv normalises its own input
     pdl: bool = False                    # Triton kernels launch with programmatic dependent launch
+    qk_norm_in_attention: bool = False   # Qwen3's q/k norms done by `attention` (its qk_norm=(wq, wk, eps)); False: torch
 
 
 TORCH_KERNELS = ModelKernels()           # the reference path: torch everywhere
@@ -409,10 +410,12 @@ class Qwen2Attention(nn.Module):
 
     def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
         "Attention and the output projection, from the QKV projection's output."
-        T = qkv.shape[0]
-        if self.q_norm is not None: qkv = self.norm_qk(qkv, kernels)
+        T, extra = qkv.shape[0], {}
+        if self.q_norm is not None and kernels.qk_norm_in_attention:      # the kernel normalises as it rotates
+            extra = dict(qk_norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+        elif self.q_norm is not None: qkv = self.norm_qk(qkv, kernels)
         out = kernels.attention(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads,
-                                self.scale, pdl=kernels.pdl)                         # [T, H, D]
+                                self.scale, pdl=kernels.pdl, **extra)                # [T, H, D]
         return linear(self.o_proj, out.view(T, self.q_size), kernels.gemv, kernels.pdl)   # [T, hidden]
 
     def norm_qk(self, qkv, kernels: ModelKernels = TORCH_KERNELS):

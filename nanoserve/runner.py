@@ -40,6 +40,7 @@ class KernelConfig:
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
+    qk_norm_in_attention: bool = True      # Qwen3's q/k norms inside the RoPE kernels (False: norms of their own)
     fast_argmax: bool = True               # up to 16 rows: `argmax_rows` (many programs a row), not torch's
     cuda_graphs: bool = True               # False: every step runs eagerly
     mixed_step_graphs: bool = True         # steps with prefill chunks replay token-bucket graphs too
@@ -82,7 +83,8 @@ def model_kernels(k: KernelConfig) -> ModelKernels:
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
                         gemv=gemv if k.row_gemv else None,
-                        norm_in_gemv=k.norm_in_gemv, pdl=bool(k.pdl))
+                        norm_in_gemv=k.norm_in_gemv, pdl=bool(k.pdl),
+                        qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention)
 
 # %% ../nbs/10_runner.ipynb #5b20fda6
 def _pow2(n: int) -> int: return 1 << max(0, (n - 1).bit_length())

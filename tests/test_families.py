@@ -155,3 +155,28 @@ def test_tensor_parallel_qwen3_and_llama_give_the_tokens_of_one(ckpts, refs):
         try:
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         finally: llm.close()
+
+
+# the families' real head sizes, through the attention chapter's Triton kernels (interpreted here): Qwen3's 128 with
+# its q/k norms folded into the RoPE kernels, Llama 3.2's 64 at 8 query heads per KV head
+KERNEL_SHAPES = {
+    "qwen3-hd128": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                  intermediate_size=64, num_hidden_layers=1)),
+    "llama-hd64-gqa8": ("llama", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=1, head_dim=64,
+                                      intermediate_size=64, num_hidden_layers=1, rope_parameters=LLAMA3_ROPE)),
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_SHAPES)
+def test_triton_kernels_at_the_families_head_sizes(tmp_path, name):
+    family, kw = KERNEL_SHAPES[name]
+    src = build_tokenizer_source(tmp_path / "tokenizer")
+    hf = make_checkpoint(tmp_path / name, seed=600, tokenizer_from=src, family=family, **kw)
+    prompts = [random_prompt(n, hf.config.vocab_size, seed=n) for n in (3, 37)]
+    gens = [hf_greedy(hf, p, 12) for p in prompts]
+    assert min(m for _, m in gens) > MIN_MARGIN, f"{name}: a near-tie in the reference: pick another seed"
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for in_attention in (True, False):     # Qwen3's norms in the kernels, and as kernels of their own (the control)
+        llm = LLM(tmp_path / name, dtype="float32", device="cpu", attention_backend="triton", fused_kernels=True,
+                  max_num_batched_tokens=16, max_num_seqs=4, qk_norm_in_attention=in_attention)   # chunked
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == [g for g, _ in gens], (name, in_attention)
