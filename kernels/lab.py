@@ -231,8 +231,8 @@ def saver(name: str, res: dict, args):
 # after the environment above is set; names every tree the A/B of nanovllm_h200.py runs has (0f60b58's too)
 from nanoserve.bench import SHAPES, WorkloadSpec, make_workload, random_checkpoint, run_benchmark   # noqa: E402
 from nanoserve.engine import LLM, SamplingParams, StepLedger                                # noqa: E402
-from nanoserve.measure import (busy_share, count_device_kernels, decode_floor_ms, kv_bytes_per_token,  # noqa: E402
-                               model_weight_bytes, profile_run, time_twice)
+from nanoserve.measure import (busy_share, copy_bandwidth_GBps, count_device_kernels, decode_floor_ms,  # noqa: E402
+                               kv_bytes_per_token, model_weight_bytes, profile_run, time_twice)
 
 
 def tiny_model() -> Path:
@@ -494,15 +494,6 @@ def decode_rows(model_dir, res, shape, configs: dict, batches, key, repeats=40, 
             res.setdefault(key, []).append(row)
         drain(llm)
         del llm; free()
-
-
-def copy_bandwidth_GBps(nbytes: int = 4 << 30, device=None) -> tuple[float, bool]:
-    "The device's copy bandwidth (read + write bytes a second, GB/s) over an `nbytes` bf16 copy, and its disagree flag."
-    d = torch.device(device) if device is not None else torch.device("cuda" if is_cuda() else "cpu")
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=d); y = torch.empty_like(x)
-    t = time_twice(lambda: y.copy_(x), warmup_s=1.0 if is_cuda(d) else 0.0, repeats=10, device=d)
-    del x, y; free(d)
-    return 2 * nbytes / (t.median_ms / 1e3) / 1e9, t.disagree
 
 
 def floors(res, configs: dict, nbytes: int = 4 << 30) -> None:

@@ -35,7 +35,7 @@ from nanoserve.measure import busy_share, count_device_kernels, event_record, is
 def gpu_random_checkpoint(shape: str, root: Path) -> Path:
     "A safetensors folder with random bf16 weights of `shape`, generated on the GPU (fast), the tiny tokenizer."
     from safetensors.torch import save_file
-    from nanoserve.tokenizer import qwen2_weight_shapes
+    from nanoserve.tokenizer import hf_weight_shapes
     d = root / f"random-{shape}"
     if (d / "model.safetensors").is_file(): return d
     d.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def gpu_random_checkpoint(shape: str, root: Path) -> Path:
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = {n: (torch.ones(s, dtype=torch.bfloat16) if n.endswith("norm.weight") else
                    (torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02).cpu())
-               for n, s in qwen2_weight_shapes(cfg).items()}
+               for n, s in hf_weight_shapes(cfg).items()}
     save_file(tensors, str(d / "model.safetensors"), {"format": "pt"})
     for f in tiny_model().iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json": shutil.copy(f, d / f.name)

@@ -10,22 +10,24 @@ import shutil, subprocess, sys, tempfile, threading, time, traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
 from .engine import LEDGER_PHASES, LLM, SamplingParams, StepLedger
-from .measure import busy_share, count_device_kernels, profile_run, run_meta, warm_gpu
+from .measure import (busy_share, copy_bandwidth_GBps, count_device_kernels, matmul_TFLOPs, profile_run,
+                               resolve_device, run_meta, warm_gpu, workload_limit)
 from .model import SHAPES, ModelConfig
-from .tokenizer import cache_root, default_model, ensure_default_model, random_qwen2_weights
+from .tokenizer import cache_root, default_model, ensure_default_model, random_hf_weights
 from .yardsticks import run_hf_continuous, run_hf_static
 
 # %% auto #0
-__all__ = ['DISAGREE', 'WorkloadSpec', 'BenchRequest', 'make_workload', 'poisson_send_times', 'percentile', 'summarize',
-           'warm_up_engine', 'PausedClock', 'ProfileWindow', 'request_record', 'run_result', 'run_nanoserve',
-           'parse_engine', 'run_worker', 'worker_main', 'model_limits', 'run_benchmark', 'failure_reason', 'report',
-           'plot_results', 'random_checkpoint', 'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args',
-           'engine_kwargs_from_args', 'results_path', 'save_results', 'write_results', 'model_dir_from_args',
-           'run_command', 'main']
+__all__ = ['DISAGREE', 'FAMILY_CONFIGS', 'SHAPE_CONFIGS', 'WorkloadSpec', 'BenchRequest', 'make_workload', 'poisson_send_times',
+           'percentile', 'summarize', 'warm_up_engine', 'PausedClock', 'ProfileWindow', 'request_record', 'run_result',
+           'run_nanoserve', 'parse_engine', 'run_worker', 'worker_main', 'model_limits', 'physical_limit',
+           'run_benchmark', 'failure_reason', 'report', 'plot_results', 'shape_config', 'random_checkpoint',
+           'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args', 'engine_kwargs_from_args',
+           'results_path', 'save_results', 'write_results', 'model_dir_from_args', 'run_command', 'main']
 
 # %% ../nbs/15_bench.ipynb #6ce7af63
 @dataclass(frozen=True)
@@ -412,16 +414,33 @@ def _repeat(job: dict, repeats: int, run_one: Callable[[dict], dict], progress: 
         if on_rep is not None: on_rep(reps)
     return reps
 
+# %% ../nbs/15_bench.ipynb #29caa6d5
+def physical_limit(model_dir, requests: list[BenchRequest], engine_kwargs: dict | None) -> dict | None:
+    "The workload's physical limit on this machine's device (`measure.workload_limit`); None for quantized weights."
+    kw = engine_kwargs or {}
+    if kw.get("quantization"): return None
+    cfg, device = ModelConfig.from_model_dir(model_dir), resolve_device(kw.get("device"))
+    dtype = kw.get("dtype") or (cfg.dtype if device.type == "cuda" else "float32")     # the engine's rule
+    big = device.type == "cuda"
+    bw, bw_flag = copy_bandwidth_GBps(4 << 30 if big else 64 << 20, device)
+    rate, rate_flag = matmul_TFLOPs(8192 if big else 512, device)
+    lim = workload_limit(cfg, [len(r.prompt_token_ids) for r in requests], [r.max_tokens for r in requests],
+                         kw.get("max_num_seqs") or 64, bw, rate, dtype_bytes=4 if dtype == "float32" else 2)
+    return lim | {"device": str(device), "dtype": dtype, "disagree": bw_flag or rate_flag}
+
 # %% ../nbs/15_bench.ipynb #f0a4670c
 def run_benchmark(model_dir, spec: WorkloadSpec, engines: list[str], *, rates: list[float] | None = None,
                   engine_kwargs: dict | None = None, repeats: int = 2, warmup_s: float = 3.0,
                   timeout: float | None = None, progress: bool = True, command: str | None = None,
                   profile_steps: int = 16, limits: tuple[int, int] | None = None,
-                  run_one: Callable[[dict], dict] | None = None, save: Callable[[dict], None] | None = None) -> dict:
+                  run_one: Callable[[dict], dict] | None = None, save: Callable[[dict], None] | None = None,
+                  limit: bool | None = None) -> dict:
     """Run every engine `repeats` times (fresh processes) offline, or at each Poisson rate; results as a dict.
     `limits` (vocabulary, context) replaces the model folder's; `run_one(job)` replaces the worker process
     (the endpoint chapter sends each job over HTTP instead); `save(results so far)` is called after every run
-    (an engine's unfinished repeats marked `partial`, the whole `complete` only at the end)."""
+    (an engine's unfinished repeats marked `partial`, the whole `complete` only at the end). `limit` (default: when
+    the engines run here): offline, the workload's physical limit on this device (`physical_limit`) under "limit"."""
+    limit = run_one is None if limit is None else limit
     if run_one is None:
         for e in engines: parse_engine(e)
         run_one = lambda job: _spawn(job, timeout)
@@ -451,6 +470,7 @@ def run_benchmark(model_dir, spec: WorkloadSpec, engines: list[str], *, rates: l
                 print(f"[bench] {mode} {engine}: {', '.join(f'{t:,.0f}' for t in reps['output_tokens_per_s'])} "
                       "output tok/s" + ("  <- runs disagree by more than 15%" if reps["disagree"] else ""),
                       file=sys.stderr, flush=True)
+    if limit and not rates: out["limit"] = physical_limit(model_dir, requests, engine_kwargs); save(out)
     out["complete"] = True; save(out)
     return out
 
@@ -476,13 +496,27 @@ def _report_line(run: dict) -> str:
             + ("  <- runs disagree >15%" if run["disagree"] else "") + ("  (unfinished)" if run.get("partial") else ""))
 
 # %% ../nbs/15_bench.ipynb #3b72f986
+def _limit_lines(results: dict) -> list[str]:
+    "The physical limit of an offline run, and each engine's share of it."
+    lim = results.get("limit")
+    if not lim: return []
+    shares = [f"{r['engine']} {max(r['output_tokens_per_s']) / lim['output_tokens_per_s']:.0%}"
+              for r in results["runs"] if r["mode"] == "offline" and "error" not in r]
+    return [f"physical limit on {lim['device']} ({lim['dtype']}): {lim['output_tokens_per_s']:,.0f} output tok/s = "
+            f"{lim['weight_bytes'] / 1e9:,.1f} GB of weights over {lim['decode_steps']} decode steps + "
+            f"{lim['kv_bytes'] / 1e9:,.1f} GB of K/V at {lim['bandwidth_GBps']:,.0f} GB/s, and "
+            f"{lim['prefill_flops'] / 1e12:,.2f} TFLOP of prefill at {lim['matmul_TFLOPs']:,.1f} TFLOP/s"
+            + ("  <- rate measurements disagree >15%" if lim["disagree"] else ""),
+            "share of the limit (faster run): " + (", ".join(shares) or "-")]
+
+
 def report(results: dict) -> str:
     "A plain-text table of a results dict."
     lines = [f"workload: {results['workload']['kind']}, {results['workload']['num_requests']} requests, "
              f"{results['num_output_tokens_requested']:,} output tokens; numerator: {results['numerator']}",
              f"{'mode':>14} {'engine':>14} {'tok/s run1':>11} {'run2':>9} {'TTFT p50':>9} {'p99':>8} "
              f"{'TPOT p50':>9} {'E2E p99':>8} {'preempt':>7} {'kern/step':>9} {'busy':>6}"]
-    return "\n".join(lines + [_report_line(run) for run in results["runs"]])
+    return "\n".join(lines + [_report_line(run) for run in results["runs"]] + _limit_lines(results))
 
 # %% ../nbs/15_bench.ipynb #51f75fcf
 def _plot_throughput(off: list[dict], results: dict, plt):
@@ -545,25 +579,48 @@ def plot_results(results: dict, out_dir=None, prefix: str = "bench"):
     return figs
 
 # %% ../nbs/15_bench.ipynb #4879941c
-def _qwen2_config(shape: str) -> dict:
-    "config.json of a Qwen2.5 shape (`model.SHAPES`), bf16, with the Qwen2.5 context and rotary base."
-    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **SHAPES[shape],
-            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "dtype": "bfloat16", "hidden_act": "silu",
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e6,
-            "use_sliding_window": False, "bos_token_id": None, "eos_token_id": None}
+def _llama3_rope(factor: float) -> dict:
+    return {"rope_type": "llama3", "rope_theta": 5e5, "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+def _default_rope(theta: float) -> dict: return {"rope_type": "default", "rope_theta": theta}
+
+
+FAMILY_CONFIGS = MappingProxyType({     # what each family's real config.json adds to a shape of `model.SHAPES`
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  rope_parameters=_default_rope(1e6), use_sliding_window=False),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], max_position_embeddings=40960, rms_norm_eps=1e-6,
+                  rope_parameters=_default_rope(1e6), attention_bias=False),
+    "llama": dict(architectures=["LlamaForCausalLM"], max_position_embeddings=131072, rms_norm_eps=1e-5,
+                  rope_parameters=_llama3_rope(32.0), attention_bias=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], max_position_embeddings=32768, rms_norm_eps=1e-5,
+                    rope_parameters=_default_rope(1e6), sliding_window=None)})
+SHAPE_CONFIGS = MappingProxyType({"llama3.1-8B": dict(rope_parameters=_llama3_rope(8.0))})   # a shape's own fields
+
+
+def shape_config(shape: str) -> dict:
+    "config.json of a real model's shape (`model.SHAPES`), bf16, with its family's context, norm and RoPE (a copy)."
+    if shape not in SHAPES: raise ValueError(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
+    family = SHAPES[shape].get("model_type", "qwen2")
+    cfg = {"model_type": family, **FAMILY_CONFIGS[family], **SHAPES[shape], **SHAPE_CONFIGS.get(shape, {}),
+           "dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": None, "eos_token_id": None}
+    return json.loads(json.dumps(cfg))                 # nothing shared with the tables
 
 # %% ../nbs/15_bench.ipynb #b714f289
-def random_checkpoint(shape: str, seed: int = 0) -> Path:
-    "A folder with random bf16 weights of a Qwen2.5 shape and the built-in tokenizer, made once in the cache."
+def random_checkpoint(shape: str, seed: int = 0, device: str = "cpu") -> Path:
+    """A folder with random bf16 weights of a real model's shape (`shape_config`) and the built-in tokenizer, made once
+    in the cache. `device` draws them there (a GPU draws an 8B model in a second; the values differ by device)."""
     from safetensors.torch import save_file      # optional: only a random checkpoint needs it
-    if shape not in SHAPES: raise ValueError(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
-    path = cache_root() / f"random-qwen2.5-{shape}-seed{seed}"
+    cfg = shape_config(shape)
+    name = f"random-qwen2.5-{shape}" if cfg["model_type"] == "qwen2" else f"random-{shape}"
+    path = cache_root() / (f"{name}-seed{seed}" + ("" if device == "cpu" else f"-{device}"))
     if (path / "model.safetensors").is_file(): return path
     cache_root().mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".{path.name}.tmp-"))
-    cfg = _qwen2_config(shape)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file(random_qwen2_weights(cfg, seed=seed, dtype=torch.bfloat16), str(tmp / "model.safetensors"), {"format": "pt"})
+    weights = random_hf_weights(cfg, seed=seed, dtype=torch.bfloat16, device=device)
+    save_file({k: v.cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"), {"format": "pt"})
     for f in ensure_default_model().iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json": shutil.copy(f, tmp / f.name)
     try: tmp.rename(path)
@@ -629,9 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="With --endpoint URL, `nanoserve bench` sends the workload to an OpenAI-compatible "
                                        "server instead (see `nanoserve bench --endpoint URL --help`).")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model); "
+    g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in tiny model); "
                                                  "with --endpoint, the served model's name")
-    g.add_argument("--shape", default=None, choices=list(SHAPES), help="random weights of a Qwen2.5 shape")
+    g.add_argument("--shape", default=None, choices=list(SHAPES),
+                   help="random bf16 weights of a real model's shape (Qwen2.5 by size, Qwen3, Llama 3.x, Mistral)")
     _workload_args(p); _engine_args(p); _run_args(p)
     return p
 

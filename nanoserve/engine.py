@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .block_manager import BlockManager
-from .model import load_model
+from .model import load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
 from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
@@ -51,7 +51,7 @@ class LoadConfig:
     model: str | None = None          # a Hugging Face folder; None: the built-in tiny model
     dtype: str | None = None          # None: the checkpoint's own on a GPU, float32 on a CPU
     device: str | None = None         # None: "cuda" when there is one
-    max_model_len: int | None = None  # None: the model's max positions (capped by what the cache holds)
+    max_model_len: int | None = None  # None: the model's context (capped by what the cache holds); longer: an error
     seed: int = 0                     # the seed of requests that give none
     num_threads: int | None = None    # a CPU's intra-op threads; None: one per two usable cores (`cpu_threads`)
 
@@ -330,7 +330,7 @@ class EngineStart(EngineLoad):
 
     def _start(self) -> None:
         ec, cfg = self.engine_config, self.config
-        max_model_len = min(ec.load.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        max_model_len = max_model_len_for(cfg, ec.load.max_model_len)     # never past the model's context
         b, bs = ec.batch, self.block_size
         self.num_kv_blocks = ec.cache.num_kv_blocks or self._num_kv_blocks(max_model_len)
         if self.parallel: self.num_kv_blocks = self.parallel.agree_num_kv_blocks(self.num_kv_blocks)

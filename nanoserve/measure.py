@@ -21,13 +21,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from .model import ModelConfig
+
 # %% auto #0
 __all__ = ['MEMORY_ACTIVITIES', 'WINDOW_PREFIX', 'MARKER_KERNEL', 'resolve_device', 'device_sync', 'warm_gpu', 'matmul_workload',
            'clock_ramp', 'summarize_ramp', 'event_record', 'is_device_kernel', 'count_device_kernels',
            'kernels_per_step', 'merge_intervals', 'covered_us', 'Window', 'DeviceIntervals', 'busy_share_of',
            'ProfiledRun', 'busy_share', 'window_from_markers', 'run_from_events', 'profile_run', 'span_busy_share',
            'Timing', 'time_twice', 'run_meta', 'model_params', 'model_weight_bytes', 'kv_bytes_per_token',
-           'decode_floor_ms', 'RooflineReport', 'roofline_report']
+           'decode_floor_ms', 'RooflineReport', 'roofline_report', 'copy_bandwidth_GBps', 'matmul_TFLOPs',
+           'prefill_flops', 'workload_limit']
 
 # %% ../nbs/13_measure.ipynb #a66237b8
 def resolve_device(device=None) -> torch.device:
@@ -360,19 +363,16 @@ def _cfg(config, name, default=None):
 
 
 def model_params(config) -> int:
-    "Parameter count of a Qwen2 model from its shape (a config dict or a `ModelConfig`)."
-    h, layers = _cfg(config, "hidden_size"), _cfg(config, "num_hidden_layers")
-    heads = _cfg(config, "num_attention_heads")
-    kv_heads = _cfg(config, "num_key_value_heads") or heads
-    head_dim = _cfg(config, "head_dim") or h // heads
-    inter, vocab = _cfg(config, "intermediate_size"), _cfg(config, "vocab_size")
-    q = h * heads * head_dim + heads * head_dim                   # weight + bias
-    kv = 2 * (h * kv_heads * head_dim + kv_heads * head_dim)      # k and v, weight + bias
-    o = heads * head_dim * h
-    mlp = 3 * h * inter                                           # gate, up, down
-    per_layer = q + kv + o + mlp + 2 * h                          # + input and post-attention norms
-    lm_head = 0 if _cfg(config, "tie_word_embeddings", False) else vocab * h
-    return vocab * h + layers * per_layer + h + lm_head
+    "Parameter count of a model of any family from its shape (a `config.json` dict or a `ModelConfig`)."
+    c = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
+    h, d, inter, vocab = c.hidden_size, c.head_dim, c.intermediate_size, c.vocab_size
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    attention = h * (q + 2 * kv) + q * h                          # QKV and O projections
+    if c.attention_bias: attention += q + 2 * kv                  # Qwen2's QKV bias
+    if c.qk_norm: attention += 2 * d                              # Qwen3's q and k norms
+    per_layer = attention + 3 * h * inter + 2 * h                 # + gate, up, down; input and post-attention norms
+    lm_head = 0 if c.tie_word_embeddings else vocab * h
+    return vocab * h + c.num_hidden_layers * per_layer + h + lm_head
 
 # %% ../nbs/13_measure.ipynb #a80c3762
 def model_weight_bytes(config, dtype_bytes: int = 2) -> int:
@@ -413,3 +413,47 @@ def roofline_report(measured_ms: float, floor_ms: float, busy_share: float) -> R
     if measured_ms <= 0 or floor_ms <= 0: raise ValueError("measured_ms and floor_ms must be positive")
     if measured_ms < floor_ms: raise ValueError(f"measured {measured_ms} ms is below the floor {floor_ms} ms: check the bytes and the bandwidth")
     return RooflineReport(measured_ms, floor_ms, busy_share, 1 - floor_ms / measured_ms, 1 - busy_share)
+
+# %% ../nbs/13_measure.ipynb #c0723e8b
+def copy_bandwidth_GBps(nbytes: int = 4 << 30, device=None) -> tuple[float, bool]:
+    "The device's copy bandwidth (read + write bytes a second, GB/s) over an `nbytes` bf16 copy, and its disagree flag."
+    d = resolve_device(device)
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=d); y = torch.empty_like(x)
+    t = time_twice(lambda: y.copy_(x), warmup_s=1.0 if d.type == "cuda" else 0.0, repeats=10, device=d)
+    del x, y
+    if d.type == "cuda": torch.cuda.empty_cache()
+    return 2 * nbytes / (t.median_ms / 1e3) / 1e9, t.disagree
+
+
+def matmul_TFLOPs(size: int = 8192, device=None) -> tuple[float, bool]:
+    "The device's dense matmul rate (TFLOP/s: bf16 on CUDA, fp32 on a CPU) on `size`-square operands, and its flag."
+    d = resolve_device(device)
+    dtype = torch.bfloat16 if d.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=d, dtype=dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    t = time_twice(lambda: torch.mm(a, b, out=out), warmup_s=1.0 if d.type == "cuda" else 0.0, repeats=10, device=d)
+    return 2 * size ** 3 / (t.median_ms / 1e3) / 1e12, t.disagree
+
+# %% ../nbs/13_measure.ipynb #f1ff5ab9
+def prefill_flops(config, num_tokens: int) -> float:
+    "FLOPs of one prompt's prefill: 2 per weight per token in the layers, causal attention, the last row's LM head."
+    c = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
+    h, d = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    per_token = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size          # one layer's matmul weights
+    attention = 4 * c.num_attention_heads * d * num_tokens * (num_tokens + 1) / 2   # QK^T and PV over causal pairs
+    return c.num_hidden_layers * (2 * per_token * num_tokens + attention) + 2 * c.vocab_size * h
+
+# %% ../nbs/13_measure.ipynb #b46bc73c
+def workload_limit(config, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
+                   bandwidth_GBps: float, matmul_TFLOPs: float, dtype_bytes: int = 2) -> dict:
+    "The least time a workload can take on a device with these rates, and its output tokens a second (see above)."
+    decode = [max(0, n - 1) for n in output_lens]                # each request's first token comes from its prefill
+    steps = max(max(decode, default=0), -(-sum(decode) // max_num_seqs))
+    weight = steps * model_weight_bytes(config, dtype_bytes)
+    kv = kv_bytes_per_token(config, dtype_bytes) * sum(n * p + n * (n + 1) / 2 for p, n in zip(prompt_lens, decode))
+    flops = sum(prefill_flops(config, p) for p in prompt_lens)
+    memory_s, compute_s = (weight + kv) / (bandwidth_GBps * 1e9), flops / (matmul_TFLOPs * 1e12)
+    return {"decode_steps": steps, "weight_bytes": weight, "kv_bytes": kv, "prefill_flops": flops,
+            "bandwidth_GBps": bandwidth_GBps, "matmul_TFLOPs": matmul_TFLOPs, "memory_s": memory_s,
+            "compute_s": compute_s, "output_tokens_per_s": sum(output_lens) / (memory_s + compute_s)}

@@ -18,11 +18,11 @@ from torch import nn
 
 # %% auto #0
 __all__ = ['FAMILIES', 'ROPE_TYPES', 'TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields', 'read_config_json',
-           'RopeScaling', 'ModelConfig', 'RMSNorm', 'rope_inv_freq', 'RotaryEmbedding', 'rotate_half', 'apply_rotary',
-           'PrefillChunk', 'AttentionMetadata', 'write_kv', 'decode_attention_ref', 'prefill_attention_ref',
-           'attend_ref', 'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm', 'mlp_gemv', 'gemv_takes_norm',
-           'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM', 'load_state_dict',
-           'load_model']
+           'RopeScaling', 'ModelConfig', 'max_model_len_for', 'RMSNorm', 'rope_inv_freq', 'RotaryEmbedding',
+           'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'write_kv', 'decode_attention_ref',
+           'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm',
+           'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
+           'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 FAMILIES = MappingProxyType({       # model_type -> what its config.json leaves out
@@ -162,11 +162,30 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int: return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: `max_position_embeddings`, stretched by linear or YaRN scaling (YaRN's from its
+        original context; vLLM's rule). Llama 3's configs already give the stretched length."""
+        s, n = self.rope_scaling, self.max_position_embeddings
+        if s is None or s.rope_type == "llama3": return n
+        return max(n, int((s.original_max_position_embeddings if s.rope_type == "yarn" else n) * s.factor))
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig": return cls(**hf_config_fields(d))
 
     @classmethod
     def from_model_dir(cls, model_dir) -> "ModelConfig": return cls.from_dict(read_config_json(model_dir))
+
+# %% ../nbs/02_model.ipynb #23b37218
+def max_model_len_for(cfg: ModelConfig, requested: int | None) -> int:
+    "The longest sequence to serve: `requested` (None: the model's `context_length`), never past that context."
+    if requested is None: return cfg.context_length
+    if requested < 1: raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > cfg.context_length:
+        scaled = f", {cfg.rope_scaling.rope_type} RoPE x{cfg.rope_scaling.factor:g}" if cfg.rope_scaling else ""
+        raise ValueError(f"max_model_len {requested} is longer than the model's context {cfg.context_length} "
+                         f"(max_position_embeddings {cfg.max_position_embeddings}{scaled})")
+    return requested
 
 # %% ../nbs/02_model.ipynb #e4bc2659
 class RMSNorm(nn.Module):
@@ -473,7 +492,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels = TORCH_KERNELS    # the kernel table every forward pass reads (`set_kernels`)
         self.logits_gather = None       # tensor parallel: joins every rank's vocabulary slice (that chapter)
@@ -586,4 +605,19 @@ SHAPES = _frozen({
     "1.5B": _frozen(dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
     "7B": _frozen(dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False))})
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)),
+    "qwen3-0.6B": _frozen(dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                               num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               tie_word_embeddings=True)),
+    "qwen3-1.7B": _frozen(dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                               num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               tie_word_embeddings=True)),
+    "llama3.2-1B": _frozen(dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                tie_word_embeddings=True)),
+    "llama3.1-8B": _frozen(dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                tie_word_embeddings=False)),
+    "mistral-7B": _frozen(dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                               tie_word_embeddings=False))})

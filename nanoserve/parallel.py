@@ -27,7 +27,7 @@ from torch import nn
 
 from dataclasses import dataclass
 
-from .model import ModelConfig, Qwen2ForCausalLM, load_model
+from .model import ModelConfig, Qwen2ForCausalLM, load_model, max_model_len_for
 from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
 
 
@@ -205,7 +205,7 @@ def _worker_runner(spec: dict, conn) -> ModelRunner:
     dtype = model.norm.weight.dtype
     conn.send(("loaded", None))
     cfg, bs = model.config, spec["block_size"]
-    max_model_len = min(spec["max_model_len"] or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_model_len = max_model_len_for(cfg, spec["max_model_len"])
     num_blocks = spec["num_kv_blocks"] or kv_cache_blocks(
         model, device, dtype, bs, spec["utilization"], spec["max_num_batched_tokens"], spec["max_num_seqs"],
         max_model_len, kernels.cuda_graphs)[0]

@@ -20,8 +20,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 # %% auto #0
 __all__ = ['QWEN2_SPLIT_PATTERN', 'ENDOFTEXT', 'IM_START', 'IM_END', 'SPECIAL_TOKENS', 'TINY_PROSE', 'TINY_CORPUS_BLOCKS',
            'CHATML_TEMPLATE', 'TINY_MODEL_NAME', 'TINY_QWEN2', 'MODEL_FILES', 'SHIPPED_MODEL_NAME', 'REPLACEMENT_CHAR',
-           'qwen2_style_tokenizer', 'tiny_corpus', 'train_tiny_tokenizer', 'tiny_qwen2_config', 'qwen2_weight_shapes',
-           'random_qwen2_weights', 'is_model_folder', 'build_tiny_model', 'cache_root', 'default_model_dir',
+           'qwen2_style_tokenizer', 'tiny_corpus', 'train_tiny_tokenizer', 'tiny_qwen2_config', 'hf_weight_shapes',
+           'random_hf_weights', 'is_model_folder', 'build_tiny_model', 'cache_root', 'default_model_dir',
            'ensure_default_model', 'shipped_model_dir', 'default_model', 'load_tokenizer', 'prompt_context',
            'IncrementalDetokenizer', 'byte_alphabet', 'byte_level_table', 'ByteDetokenizer']
 
@@ -134,34 +134,38 @@ def tiny_qwen2_config(vocab_size: int, endoftext_id: int):
         bos_token_id=endoftext_id, eos_token_id=endoftext_id, dtype="float32")
 
 # %% ../nbs/03_tokenizer.ipynb #6093833f
-def qwen2_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    "Name and shape of every tensor in a Qwen2 checkpoint with this `config.json` dictionary, in a fixed order."
-    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or h // heads
+def hf_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every tensor in a checkpoint with this `config.json` dictionary, in a fixed order, for any
+    family of the model chapter (a QKV bias where the family has one, Qwen3's q/k norms, an explicit head_dim)."""
+    from nanoserve.model import ModelConfig         # torch comes with it: only weights need it
+    c = ModelConfig.from_dict(config)
+    h, inter, vocab, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (heads * head_dim, h), p + "self_attn.q_proj.bias": (heads * head_dim,),
-                   p + "self_attn.k_proj.weight": (kv_heads * head_dim, h), p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
-                   p + "self_attn.v_proj.weight": (kv_heads * head_dim, h), p + "self_attn.v_proj.bias": (kv_heads * head_dim,),
-                   p + "self_attn.o_proj.weight": (h, heads * head_dim),
-                   p + "post_attention_layernorm.weight": (h,),
+    for i in range(c.num_hidden_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        for x, n in (("q", q), ("k", kv), ("v", kv)):
+            shapes[a + f"{x}_proj.weight"] = (n, h)
+            if c.attention_bias: shapes[a + f"{x}_proj.bias"] = (n,)
+        if c.qk_norm: shapes |= {a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}
+        shapes |= {a + "o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                    p + "mlp.down_proj.weight": (h, inter)}
     shapes["model.norm.weight"] = (h,)
-    if not config.get("tie_word_embeddings", False): shapes["lm_head.weight"] = (vocab, h)
+    if not c.tie_word_embeddings: shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
 # %% ../nbs/03_tokenizer.ipynb #ae2e4766
-def random_qwen2_weights(config: dict, seed: int = 0, std: float = 0.02, dtype=None) -> dict:
-    "Seeded random tensors for every name of `qwen2_weight_shapes`: N(0, `std`) for matrices and biases, ones for norms."
+def random_hf_weights(config: dict, seed: int = 0, std: float = 0.02, dtype=None, device="cpu") -> dict:
+    """Seeded random tensors for every name of `hf_weight_shapes`: N(0, `std`) for matrices and biases, ones for norms,
+    drawn on `device` (a seed names one set of weights per device)."""
     import torch
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
-    for name, shape in qwen2_weight_shapes(config).items():
-        w = torch.ones(shape) if name.endswith("norm.weight") else torch.empty(shape).normal_(0.0, std, generator=gen)
+    for name, shape in hf_weight_shapes(config).items():
+        if name.endswith("norm.weight"): w = torch.ones(shape, device=device)
+        else: w = torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
         weights[name] = w.to(dtype) if dtype is not None else w
     return weights
 
@@ -189,7 +193,7 @@ def _write_tiny_model(folder: Path, seed: int) -> None:
     config.save_pretrained(str(folder))
     _write_json(folder / "generation_config.json",
                 {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "pad_token_id": endoftext})
-    save_file(random_qwen2_weights(config.to_dict(), seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_hf_weights(config.to_dict(), seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 # %% ../nbs/03_tokenizer.ipynb #b6fd3eaf
 def is_model_folder(path) -> bool:

@@ -7,10 +7,13 @@ import json
 import pytest
 import torch
 
-from helpers import (BASE_CONFIG, PagedDriver, assert_all_free, build_tokenizer_source, hf_greedy, hf_logits,
-                     make_checkpoint, max_rel_err, quiet_transformers, random_prompt, torch_threads)
+from helpers import (BASE_CONFIG, FAMILY_CLASSES, PagedDriver, assert_all_free, build_tokenizer_source, hf_greedy,
+                     hf_logits, make_checkpoint, max_rel_err, quiet_transformers, random_prompt, torch_threads)
+from nanoserve.bench import shape_config
 from nanoserve.engine import LLM, SamplingParams
-from nanoserve.model import ModelConfig, load_model
+from nanoserve.measure import model_params
+from nanoserve.model import SHAPES, ModelConfig, load_model
+from nanoserve.tokenizer import hf_weight_shapes
 
 LOGIT_RTOL = 2e-5
 MIN_MARGIN = 1e-3
@@ -180,3 +183,17 @@ def test_triton_kernels_at_the_families_head_sizes(tmp_path, name):
         llm = LLM(tmp_path / name, dtype="float32", device="cpu", attention_backend="triton", fused_kernels=True,
                   max_num_batched_tokens=16, max_num_seqs=4, qk_norm_in_attention=in_attention)   # chunked
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == [g for g, _ in gens], (name, in_attention)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_random_checkpoints_of_real_shapes_match_transformers(shape):
+    "The benchmarks' random checkpoints: every tensor transformers' class has, by name and shape; the same count."
+    import transformers
+    cfg = shape_config(shape)
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILY_CLASSES[cfg["model_type"]])
+    with torch.device("meta"): hf = model_cls(config_cls.from_dict(cfg))
+    want = {k: tuple(v.shape) for k, v in hf.state_dict().items()
+            if not (cfg["tie_word_embeddings"] and k == "lm_head.weight")}
+    assert hf_weight_shapes(cfg) == want
+    assert model_params(cfg) == sum(p.numel() for p in hf.parameters())
+    assert ModelConfig.from_dict(cfg).context_length == hf.config.max_position_embeddings

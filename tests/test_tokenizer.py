@@ -55,7 +55,7 @@ def test_folder_files_and_config(tiny_dir):
         assert f.metadata() == {"format": "pt"}
         names = set(f.keys())
         assert "lm_head.weight" not in names
-        assert names == set(T.qwen2_weight_shapes(cfg))
+        assert names == set(T.hf_weight_shapes(cfg))
         assert f.get_tensor("model.layers.1.mlp.down_proj.weight").shape == (64, 176)
 
 
