@@ -31,10 +31,11 @@ from .structured import GrammarCompiler
 from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
 
 # %% auto #0
-__all__ = ['LEDGER_PHASES', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line', 'engine_config',
-           'StepLedger', 'cpu_threads', 'engine_device', 'EngineSetup', 'EngineLoad', 'worker_spec', 'eos_token_ids',
-           'EngineStart', 'prompt_token_ids', 'check_context', 'check_token_ids', 'EngineRequests', 'abort_request',
-           'EngineStep', 'EngineLaunch', 'EngineAsync', 'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
+__all__ = ['LEDGER_PHASES', 'SAMPLING_DEFAULTS', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line',
+           'engine_config', 'StepLedger', 'cpu_threads', 'engine_device', 'EngineSetup', 'EngineLoad', 'worker_spec',
+           'eos_token_ids', 'generation_defaults', 'EngineStart', 'prompt_token_ids', 'check_context',
+           'check_token_ids', 'EngineRequests', 'abort_request', 'EngineStep', 'EngineLaunch', 'EngineAsync',
+           'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
 
 # %% ../nbs/12_engine.ipynb #61f398f0
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -54,9 +55,12 @@ class LoadConfig:
     max_model_len: int | None = None  # None: the model's context (capped by what the cache holds); longer: an error
     seed: int = 0                     # the seed of requests that give none
     num_threads: int | None = None    # a CPU's intra-op threads; None: one per two usable cores (`cpu_threads`)
+    generation_config: str = "auto"   # "auto": generation_config.json's sampling values are the defaults; "none": not
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in _DTYPE_NAMES: raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         _positive_int("max_model_len", self.max_model_len)
         _positive_int("num_threads", self.num_threads)
 
@@ -293,6 +297,7 @@ class EngineLoad(EngineSetup):
         self._detok_backend = raw if plain else self.tokenizer
         self._byte_table = byte_level_table(raw) if plain else None
         self.eos_token_ids = self._eos_token_ids()
+        self.generation_defaults = generation_defaults(self.model_dir) if ec.load.generation_config == "auto" else {}
 
     def _detokenizer(self, prompt_ids: list[int]):
         "A new choice's detokenizer: byte-level BPE's table when there is one, else the window after the prompt's tail."
@@ -323,6 +328,20 @@ def eos_token_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
         ids |= set(e if isinstance(e, list) else [] if e is None else [e])
     if getattr(tokenizer, "eos_token_id", None) is not None: ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")   # generation_config.json's
+
+
+def generation_defaults(model_dir: Path) -> dict:
+    """The sampling values a checkpoint's generation_config.json sets, for requests that give none (vLLM's reading:
+    the values are taken, `do_sample` is not consulted); a value `SamplingParams` refuses is an error naming the file."""
+    gen = Path(model_dir) / "generation_config.json"
+    if not gen.is_file(): return {}
+    out = {k: v for k, v in json.loads(gen.read_text()).items() if k in SAMPLING_DEFAULTS and v is not None}
+    try: _check_params(SamplingParams(**out))
+    except (ValueError, TypeError) as e: raise ValueError(f"{gen}: {e}") from None
+    return out
 
 # %% ../nbs/12_engine.ipynb #29dc9eec
 class EngineStart(EngineLoad):
@@ -414,12 +433,16 @@ class EngineRequests(EngineStart):
 
     def add_request(self, prompt, params: SamplingParams | None = None, stream: bool = True) -> int:
         "Validate and queue one prompt; returns its request id. `stream=False`: reported only when finished."
-        params = SamplingParams() if params is None else _check_params(params)
+        params = self.default_sampling_params() if params is None else _check_params(params)
         text, ids = self._prompt_ids(prompt)
         self._check(ids, params)
         return self._add(text, ids, params, stream)
 
     def has_unfinished_requests(self) -> bool: return bool(self._groups)
+
+    def default_sampling_params(self) -> SamplingParams:
+        "What a request that gives no parameters gets: `SamplingParams` with the checkpoint's generation defaults."
+        return SamplingParams(**self.generation_defaults)
 
 # %% ../nbs/12_engine.ipynb #cb323173
 def _add(self: EngineRequests, text, ids, params: SamplingParams, stream: bool = True) -> int:
@@ -748,8 +771,8 @@ def _finish(self: EngineReports, r: _Request, reason: str, now: float) -> None:
 EngineReports._report, EngineReports._finish = _report, _finish
 
 # %% ../nbs/12_engine.ipynb #becbb148
-def _prompts_and_params(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
-    "One prompt or a list of them, and one `SamplingParams` per prompt (one given is shared by all)."
+def _prompts_and_params(prompts, sampling_params, default: SamplingParams) -> tuple[list, list[SamplingParams]]:
+    "One prompt or a list of them, and one `SamplingParams` per prompt (one given is shared by all; none: `default`)."
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -757,7 +780,7 @@ def _prompts_and_params(prompts, sampling_params) -> tuple[list, list[SamplingPa
                          f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts: return [], []
-    params = SamplingParams() if sampling_params is None else sampling_params
+    params = default if sampling_params is None else sampling_params
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
@@ -800,7 +823,8 @@ class LLM(EngineAPI):
                  ) -> list[RequestOutput]:
         "Generate for one prompt or a list of prompts (strings or token-id lists); outputs in prompt order, n each."
         checked = []
-        for p, sp in zip(*_prompts_and_params(prompts, sampling_params)):   # everything checked before queueing
+        default = self.default_sampling_params()
+        for p, sp in zip(*_prompts_and_params(prompts, sampling_params, default)):   # all checked before queueing
             text, ids = self._prompt_ids(p)
             self._check(ids, sp)
             checked.append((text, ids, sp))

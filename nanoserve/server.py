@@ -631,20 +631,23 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     return dict(zip(_ids_in_vocab([int(k) for k in bias], vocab_size, "logit_bias"), bias.values()))
 
 
-def sampling_fields(req: _GenerationRequest, vocab_size: int) -> dict:
-    "The request's sampling fields as `SamplingParams` takes them (not max_tokens, logprobs, structured output)."
+def sampling_fields(req: _GenerationRequest, vocab_size: int, defaults: dict | None = None) -> dict:
+    """The request's sampling fields as `SamplingParams` takes them (not max_tokens, logprobs, structured output); a
+    field the request leaves out takes the model's generation default (`LLM.generation_defaults`), else OpenAI's."""
+    d = defaults or {}
+    pick = lambda value, name, fallback: d.get(name, fallback) if value is None else value
     n, best_of = req.n, getattr(req, "best_of", None)
     if best_of is not None and best_of < n:
         raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
     if best_of is not None and best_of > n and req.stream:
         raise APIError(400, "best_of > n cannot be streamed: the best are known only at the end", param="best_of")
-    return dict(temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0,
+    return dict(temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
+                top_k=max(0, pick(req.top_k, "top_k", 0)), min_p=pick(req.min_p, "min_p", 0.0),
                 seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
                 stop_token_ids=_ids_in_vocab(req.stop_token_ids or (), vocab_size, "stop_token_ids"),
                 n=n, best_of=None if best_of in (None, n) else best_of,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=parse_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens or 0)
 
 # %% ../nbs/17_server.ipynb #c17f0a09
@@ -793,6 +796,7 @@ class OpenAIServing:
     def __init__(self, llm: LLM, engine: EngineThread, served_model_name: str | None = None):
         self.llm, self.engine, self.model_name = llm, engine, served_model_name or llm.model_dir.name
         self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
+        self.generation_defaults = dict(getattr(llm, "generation_defaults", {}))
         self.tokenizer = load_tokenizer(llm.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
         self.token_text, self.created = TokenText(self.tokenizer), int(time.time())
@@ -824,7 +828,7 @@ class OpenAIServing:
                         max_tokens_name: str, prompt_name: str, **more) -> SamplingParams:
         "The engine's parameters, after checking the longest prompt and `max_tokens` against the context."
         max_tokens = check_room(self.max_model_len, max(map(len, prompts)), max_tokens, max_tokens_name, prompt_name)
-        fields = sampling_fields(req, self.vocab_size) | more
+        fields = sampling_fields(req, self.vocab_size, self.generation_defaults) | more
         if fields["min_tokens"] > max_tokens:
             raise APIError(400, f"min_tokens ({fields['min_tokens']}) must be <= {max_tokens_name} ({max_tokens})",
                            param="min_tokens")
@@ -1322,7 +1326,9 @@ def _engine_args(e) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from free memory")
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    e.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: generation_config.json's sampling values are the defaults of requests that omit them")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--no-prefix-caching", action="store_true")
@@ -1409,7 +1415,7 @@ def engine_from_args(args) -> LLM:
                async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
                show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
-               num_threads=args.threads)
+               num_threads=args.threads, generation_config=args.generation_config)
 
 # %% ../nbs/17_server.ipynb #c13808c3
 def main(argv: list[str] | None = None) -> int:

@@ -197,3 +197,60 @@ def test_random_checkpoints_of_real_shapes_match_transformers(shape):
     assert hf_weight_shapes(cfg) == want
     assert model_params(cfg) == sum(p.numel() for p in hf.parameters())
     assert ModelConfig.from_dict(cfg).context_length == hf.config.max_position_embeddings
+
+
+
+def test_a_real_checkpoints_details(ckpts, tmp_path):
+    """bf16 weights in shards with an index, loaded into fp32; the sampling defaults and end ids of
+    generation_config.json; the chat template of chat_template.jinja; a max_model_len past the context refused."""
+    import shutil
+    src, hf = ckpts["llama3-scaled-untied"][0], ckpts["llama3-scaled-untied"][1]
+    folder = tmp_path / "llama-bf16-sharded"
+    hf.to(torch.bfloat16).save_pretrained(str(folder), max_shard_size="100KB")
+    hf.float()
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json": shutil.copy(f, folder / f.name)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.0, "top_k": 5, "eos_token_id": [3, 4], "bos_token_id": 1}))
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                                                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=4)
+    w = llm.model.layers[0].mlp.down_proj.weight
+    assert w.dtype == torch.float32 and torch.equal(w, hf.model.layers[0].mlp.down_proj.weight.bfloat16().float())
+    assert {3, 4} <= llm.eos_token_ids
+    assert (llm.default_sampling_params().temperature, llm.default_sampling_params().top_k) == (0.0, 5)
+    prompt = random_prompt(20, hf.config.vocab_size, seed=3)
+    no_params = llm.generate(prompt)[0]                        # the checkpoint's defaults: greedy here
+    assert no_params.token_ids == llm.generate(prompt, SamplingParams(temperature=0, top_k=5))[0].token_ids
+    assert LLM(folder, dtype="float32", device="cpu", generation_config="none").default_sampling_params() == SamplingParams()
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True) == "<user>hi<assistant>"
+    context = llm.config.context_length
+    with pytest.raises(ValueError, match=f"max_model_len {context + 1} is longer than the model's context {context}"):
+        LLM(folder, dtype="float32", device="cpu", max_model_len=context + 1)
+
+
+@pytest.mark.parametrize("name,method,group", [("qwen3-hd16", "int8", 128), ("llama3-scaled-untied", "int8", 128),
+                                               ("llama3-scaled-untied", "int4", 16), ("mistral-gqa3", "int4", 4)])
+def test_quantized_families_equal_their_dequantized_weights(ckpts, name, method, group):
+    "Weight-only int8 and int4 without a QKV bias (and with Qwen3's norms): what the dequantized fp32 model generates."
+    from nanoserve.quant import QuantLinear
+    folder, hf = ckpts[name][0], ckpts[name][1]
+    q = LLM(folder, dtype="float32", device="cpu", quantization=method, quant_group_size=group, max_num_seqs=4)
+    ref = LLM(folder, dtype="float32", device="cpu", max_num_seqs=4)
+    qmods, n = dict(q.model.named_modules()), 0
+    for mod_name, mod in ref.model.named_modules():
+        if isinstance(qmods.get(mod_name), QuantLinear):
+            mod.weight.data.copy_(qmods[mod_name].dequantized_weight(torch.float32)); n += 1
+    assert n == 4 * q.config.num_hidden_layers
+    prompts = [random_prompt(n, hf.config.vocab_size, seed=n) for n in (5, 33)]
+    assert [o.token_ids for o in q.generate(prompts, GREEDY)] == [o.token_ids for o in ref.generate(prompts, GREEDY)]
+
+
+def test_fewer_kv_heads_than_ranks_is_refused(ckpts):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide num_key_value_heads \(1\)"):
+        LLM(ckpts["qwen3-gqa8-untied"][0], dtype="float32", device="cpu", tensor_parallel_size=2)
