@@ -19,9 +19,9 @@ from .runtime import (
 # %% auto #0
 __all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
            'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'decode_finish',
-           'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'choose_num_splits',
-           'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
-           'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
+           'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n',
+           'dot_precision', 'choose_num_splits', 'split_buffers', 'decode_attention', 'prefill_attention_ref',
+           'prefill_block_m', 'prefill_tile_map', 'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
 def head_rms_norm_ref(x, weight, eps: float):
@@ -145,13 +145,14 @@ def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb,
 
 # %% ../nbs/06_attention.ipynb #2b7d4c20
 @triton.jit
-def online_softmax(s, v, m_i, l_i, acc):
-    "Fold scores `s` [R, TILE_N] (base 2; -inf where masked) and values `v` into the running max, sum and output."
+def online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr = "tf32"):
+    """Fold scores `s` [R, TILE_N] (base 2; -inf where masked) and values `v` into the running max, sum and output.
+    `DOT_PRECISION`: "ieee" for fp32 inputs (an fp32 model computes in fp32, not TF32); bf16 ignores it."""
     m_new = tl.maximum(m_i, row_max(s))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + row_sum(p)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 # %% ../nbs/06_attention.ipynb #5e2f8a40
@@ -238,7 +239,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
-                            ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
+                            ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
+                            DOT_PRECISION: tl.constexpr = "tf32"):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
@@ -269,9 +271,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         valid = pos < ctx
         k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, valid, kvh, d,
                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
-        s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_G, TILE_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
     decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
                   stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
 
@@ -301,8 +303,18 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
 
 # %% ../nbs/06_attention.ipynb #0baffcf8
 def tile_n(block_size: int, head_dim: int) -> int:
-    "Keys per iteration of the decode and prefill loops: at least a block (64 or 32 on a GPU, by head size)."
+    "Keys per iteration of the decode loop: at least a block; 128 on a GPU (`kernels/decode_tiles_h200.py`)."
+    return max(block_size, 128) if not INTERPRET else max(block_size, 16)
+
+
+def prefill_tile_n(block_size: int, head_dim: int) -> int:
+    "Keys per iteration of the prefill loop: at least a block (64 or 32 on a GPU, by head size: its registers)."
     return max(block_size, 64 if head_dim <= 64 else 32) if not INTERPRET else max(block_size, 16)
+
+
+def dot_precision(cache: torch.Tensor) -> str:
+    "The kernels' product precision: IEEE for an fp32 cache (Triton's default, TF32, would round it), else the default."
+    return "ieee" if cache.dtype == torch.float32 else "tf32"
 
 # %% ../nbs/06_attention.ipynb #7f4b1e26
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, tile_n: int, sms: int) -> int:
@@ -352,7 +364,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_args, *qk_norm_args(q, qk_norm),
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
-        QK_NORM=qk_norm is not None, PDL=pdl,
+        QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(k_cache),
         num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
@@ -391,7 +403,8 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
                              stride_tm,
                              G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-                             TILED: tl.constexpr, UPCAST: tl.constexpr):
+                             TILED: tl.constexpr, UPCAST: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr = "tf32"):
     if TILED:                        # program (j, kvh): tile j of a map made on the host; chunk -1 is padding
         chunk = tl.load(tile_map_ptr + tl.program_id(0))
         tile = tl.load(tile_map_ptr + stride_tm + tl.program_id(0))
@@ -424,9 +437,9 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
             valid = pos < kv_end
             k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + c * stride_bt, pos, valid, kvh, d,
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
-            s = tl.dot(q, tl.trans(k)) * scale_log2                          # [BLOCK_M*BLOCK_G, TILE_N]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M*BLOCK_G, TILE_N]
             s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
-            m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc)
+            m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_begin + i)[:, None] * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -451,7 +464,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), tile_map.stride(0) if tiled else 0,
         G=G, BLOCK_G=triton.next_power_of_2(G), HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE_N=tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, num_warps=4)
+        TILE_N=prefill_tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(k_cache),
+        num_warps=4)
     return out
 
 # %% ../nbs/06_attention.ipynb #8ca92d60
