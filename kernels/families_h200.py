@@ -31,6 +31,8 @@ from lab import (LLM, SamplingParams, decode_row, device_or_skip, drain, floors,
 
 import torch                                                                            # noqa: E402
 
+from nanoserve.measure import decode_floor_ms, kv_bytes_per_token, model_weight_bytes   # noqa: E402
+
 from nanoserve.bench import main as bench_main                                           # noqa: E402
 from nanoserve.model import SHAPES                                                      # noqa: E402
 
@@ -120,9 +122,11 @@ def shape_checkpoint(shape: str, smoke: bool, device) -> tuple[Path, str]:
     return random_checkpoint(shape, device=str(device.type)), shape
 
 
-def decode(res, device, smoke: bool) -> None:
-    "Batch-1 decode of every new family's shapes, each row against its memory floor (`floors`, after the part)."
+def decode(res, device, smoke: bool, save=lambda: None) -> None:
+    """Batch-1 decode of every new family's shapes, each row against its memory floor (`floors`: the copy bandwidth
+    measured once, first); `save()` after every shape."""
     configs = {}
+    floors(res, configs, 1 << 20 if smoke else 4 << 30)              # the bandwidth, before any model is loaded
     for shape in DECODE_SHAPES[:1] if smoke else DECODE_SHAPES:
         folder, name = shape_checkpoint(shape, smoke, device)
         configs[name] = json.loads((folder / "config.json").read_text())
@@ -133,7 +137,16 @@ def decode(res, device, smoke: bool) -> None:
         print("decode", {k: v for k, v in row.items() if k != "ledger_decode"}, flush=True)
         res.setdefault("decode", []).append(row)
         drain(llm); del llm; free()
-    floors(res, configs, 1 << 20 if smoke else 4 << 30)
+        floor_rows(res, configs); save()
+
+
+def floor_rows(res, configs: dict) -> None:
+    "Each decode row against its floor: weight bytes + K/V bytes over the copy bandwidth `floors` measured."
+    for row in res.get("decode", []):
+        cfg = configs[row["shape"]]
+        fl = decode_floor_ms(model_weight_bytes(cfg), row["batch"] * row["mean_context"] * kv_bytes_per_token(cfg),
+                             res["copy_bandwidth_GBps"])
+        row["floor_ms"], row["x_floor"] = fl, row["median_ms"] / fl
 
 
 def qknorm(res, device, smoke: bool) -> None:
@@ -183,8 +196,10 @@ def main():
     device = device_or_skip(args)
     res = {"numerator": "output tokens actually generated", "shapes": {s: dict(SHAPES[s]) for s in DECODE_SHAPES}}
     parts = {"bench": lambda: bench(res, args, smoke), "parity": lambda: parity(res, device, smoke),
-             "decode": lambda: decode(res, device, smoke), "qknorm": lambda: qknorm(res, device, smoke)}
-    run_parts(parts, args.parts, saver("families_h200.json", res, args), res.setdefault("part_seconds", {}))
+             "decode": lambda: decode(res, device, smoke, lambda: save("decode", None)),
+             "qknorm": lambda: qknorm(res, device, smoke)}
+    save = saver("families_h200.json", res, args)
+    run_parts(parts, args.parts, save, res.setdefault("part_seconds", {}))
     if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
 
 
