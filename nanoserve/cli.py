@@ -173,7 +173,7 @@ def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
                        formatter_class=DefaultsHelp)
     g.add_argument("prompt", help="the prompt's text")
-    g.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model)")
+    g.add_argument("--model", default=None, help="Hugging Face model folder: Qwen2, Qwen3, Llama or Mistral (default: the built-in tiny model)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of this probability")
@@ -194,7 +194,7 @@ def _generate_parser(sub) -> None:
 
 # %% ../nbs/90_cli.ipynb #4ae81094
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanoserve", description="An LLM inference server for Qwen2 models, from scratch.")
+    p = argparse.ArgumentParser(prog="nanoserve", description="An LLM inference server for Qwen2, Qwen3, Llama and Mistral models, from scratch.")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="benchmark engines on the same requests (see `nanoserve bench --help`)", add_help=False)
     sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (see `nanoserve serve --help`)",

@@ -817,7 +817,7 @@ class EngineAPI(EngineReports):
 
 # %% ../nbs/12_engine.ipynb #ee23bbdc
 class LLM(EngineAPI):
-    "An offline engine: `generate` and `chat` over our Qwen2 with continuous batching and a paged KV cache."
+    "An offline engine: `generate` and `chat` over our decoder with continuous batching and a paged KV cache."
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

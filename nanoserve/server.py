@@ -1262,7 +1262,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
     # the package's version: `nanoserve` itself is always imported before any of its modules
     app = FastAPI(title="nanoserve", version=__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible server for Qwen2 models, written from scratch.")
+                  description="An OpenAI-compatible server for Qwen2, Qwen3, Llama and Mistral models, written from scratch.")
     app.state.serving = serving
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     app.add_exception_handler(APIError, _api_error)
@@ -1352,8 +1352,8 @@ def _engine_args(e) -> None:
 # %% ../nbs/17_server.ipynb #8933fee8
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanoserve serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Serve a Qwen2 model over an OpenAI-compatible HTTP API.")
-    p.add_argument("--model", default=None, help="Hugging Face Qwen2 folder (default: the built-in tiny model)")
+                                description="Serve a Qwen2, Qwen3, Llama or Mistral model over an OpenAI-compatible HTTP API.")
+    p.add_argument("--model", default=None, help="Hugging Face model folder: Qwen2, Qwen3, Llama or Mistral (default: the built-in tiny model)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (others than loopback: "
                                                        "set --api-key)")
