@@ -364,14 +364,16 @@ def graph_bench(make_call, nbytes: int, passes: int = 2, replays: int = 10, devi
 
 
 # ---- the quant experiments' shared pieces (quant_h200, quant_gemm_h200, quant_lab_h200, quant_pipe_h200) --------
-def layer_shapes(shape: str, smoke: bool, tiny=(("down_proj", 256, 1024, False),)) -> list[tuple]:
-    """(name, N out, K in, has bias) of a Qwen2.5 `shape`'s decoder layer linear layers (`SHAPES`: the fused qkv and
-    gate/up projections, o and down); under --smoke the `tiny` ones instead."""
+def layer_shapes(shape: str, smoke: bool = False, tiny=(("down_proj", 256, 1024, False),)) -> list[tuple]:
+    """(name, N out, K in, has bias) of a real model `shape`'s decoder layer linear layers (`SHAPES`, read by the
+    model chapter's config: its head size and QKV bias; the fused qkv and gate/up projections, o and down); under
+    --smoke the `tiny` ones instead."""
     if smoke: return list(tiny)
-    c = SHAPES[shape]
-    h, inter, heads, kvh = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // heads
-    return [("qkv_proj", (heads + 2 * kvh) * d, h, True), ("o_proj", h, heads * d, False),
+    from nanoserve.model import ModelConfig
+    c = ModelConfig.from_dict(SHAPES[shape])
+    h, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    return [("qkv_proj", q + 2 * kv, h, c.attention_bias), ("o_proj", h, q, False),
             ("gate_up_proj", 2 * inter, h, False), ("down_proj", h, inter, False)]
 
 
