@@ -106,6 +106,7 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=km)
 
 
+# %% ../nbs/06_attention.ipynb #fda8db26
 def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int,
                pdl: bool = False, qk_norm: tuple | None = None):
     """Rotate q and k of `qkv` [T, (H+2KVH)*D] by `cos`/`sin` [T, D]; store k, v in their cache slots; return q

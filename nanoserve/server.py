@@ -796,7 +796,6 @@ class OpenAIServing:
     def __init__(self, llm: LLM, engine: EngineThread, served_model_name: str | None = None):
         self.llm, self.engine, self.model_name = llm, engine, served_model_name or llm.model_dir.name
         self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
-        self.generation_defaults = dict(getattr(llm, "generation_defaults", {}))
         self.tokenizer = load_tokenizer(llm.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
         self.token_text, self.created = TokenText(self.tokenizer), int(time.time())
@@ -828,7 +827,7 @@ class OpenAIServing:
                         max_tokens_name: str, prompt_name: str, **more) -> SamplingParams:
         "The engine's parameters, after checking the longest prompt and `max_tokens` against the context."
         max_tokens = check_room(self.max_model_len, max(map(len, prompts)), max_tokens, max_tokens_name, prompt_name)
-        fields = sampling_fields(req, self.vocab_size, self.generation_defaults) | more
+        fields = sampling_fields(req, self.vocab_size, self.llm.generation_defaults) | more
         if fields["min_tokens"] > max_tokens:
             raise APIError(400, f"min_tokens ({fields['min_tokens']}) must be <= {max_tokens_name} ({max_tokens})",
                            param="min_tokens")

@@ -17,6 +17,8 @@ from types import MappingProxyType
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from .model import ModelConfig
+
 # %% auto #0
 __all__ = ['QWEN2_SPLIT_PATTERN', 'ENDOFTEXT', 'IM_START', 'IM_END', 'SPECIAL_TOKENS', 'TINY_PROSE', 'TINY_CORPUS_BLOCKS',
            'CHATML_TEMPLATE', 'TINY_MODEL_NAME', 'TINY_QWEN2', 'MODEL_FILES', 'SHIPPED_MODEL_NAME', 'REPLACEMENT_CHAR',
@@ -137,7 +139,6 @@ def tiny_qwen2_config(vocab_size: int, endoftext_id: int):
 def hf_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Name and shape of every tensor in a checkpoint with this `config.json` dictionary, in a fixed order, for any
     family of the model chapter (a QKV bias where the family has one, Qwen3's q/k norms, an explicit head_dim)."""
-    from nanoserve.model import ModelConfig         # torch comes with it: only weights need it
     c = ModelConfig.from_dict(config)
     h, inter, vocab, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
