@@ -22,19 +22,25 @@ def compile_ptx(kernel, ptrs, ints, consts, num_warps=4):
     src = ASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
-ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "cos_ptr", "sin_ptr")}
+ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr",
+                              "k_norm_ptr")}
 ptrs.update(block_tables_ptr="*i64", context_lens_ptr="*i64", part_out_ptr="*fp32", part_lse_ptr="*fp32",
             counter_ptr="*i32", slot_mapping_ptr="*i64")
 ints = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt", "stride_ot",
                            "stride_oh", "stride_cos")}
-ints["scale_log2"] = "fp32"
+ints["scale_log2"] = ints["eps"] = "fp32"
 out = {}
 for rope in (False, True):          # the 0.5B heads at batch 1: 16 splits merged by the last one
     ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
-        NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=16, MERGE=True,
-        UPCAST=False, ROPE=rope, PDL=True))
+        NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=16, MERGE=True,
+        UPCAST=False, ROPE=rope, QK_NORM=False, PDL=True, DOT_PRECISION="tf32"))
     out[f"decode rope={rope}"] = {"bar": ptx.count("bar.sync"), "st": ptx.count("st.global"),
                                   "gdc": ptx.count("griddepcontrol.wait")}
+for norm in (False, True):          # Qwen3-0.6B's heads, RoPE inside, its q/k norms folded in or not
+    ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
+        NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
+        UPCAST=False, ROPE=True, QK_NORM=norm, PDL=True, DOT_PRECISION="tf32"))
+    out[f"decode qwen3 norm={norm}"] = {"rsqrt": ptx.count("rsqrt."), "ld": ptx.count("ld.global")}
 ptx = compile_ptx(F.argmax_rows_kernel, {"x_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
                                          "out_ptr": "*i64", "counter_ptr": "*i32"},
                   {"V": "i32", "stride_x": "i32", "per_part": "i32", "num_parts": "i32"}, dict(BLOCK=1024, BLOCK_PARTS=256))
@@ -67,12 +73,14 @@ def k():
 
 
 def test_step_kernels_compile_for_hopper(k):
-    """The decode kernel with RoPE and the cache write inside (`ROPE`), `argmax_rows`, `copy_rows` and `load_step`
-    compile for sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
+    """The decode kernel with RoPE and the cache write inside (`ROPE`, with Qwen3's q/k norms too), `argmax_rows`,
+    `copy_rows` and `load_step` compile for sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
     writes, before its threads read the tile), and keeps waiting for the kernel before it."""
     plain, rope = k["decode rope=False"], k["decode rope=True"]
     assert rope["bar"] == plain["bar"] + 1 and rope["st"] > plain["st"]
     assert rope["gdc"] == plain["gdc"] == 1
+    folded, unfolded = k["decode qwen3 norm=True"], k["decode qwen3 norm=False"]     # Qwen3's q/k norms inside:
+    assert folded["rsqrt"] > unfolded["rsqrt"] and folded["ld"] > unfolded["ld"]       # a root, the weights loaded
     assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
     assert k["copy_rows"]["st"] >= 1
     assert k["load_step"]["st"] >= 3 and k["load_step"]["bar"] >= 1      # integers, feed, table rows; the barrier
