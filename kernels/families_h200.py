@@ -122,12 +122,12 @@ def shape_checkpoint(shape: str, smoke: bool, device) -> tuple[Path, str]:
     return random_checkpoint(shape, device=str(device.type)), shape
 
 
-def decode(res, device, smoke: bool, save=lambda: None) -> None:
+def decode(res, device, smoke: bool, save=lambda: None, shapes=DECODE_SHAPES) -> None:
     """Batch-1 decode of every new family's shapes, each row against its memory floor (`floors`: the copy bandwidth
     measured once, first); `save()` after every shape."""
     configs = {}
     floors(res, configs, 1 << 20 if smoke else 4 << 30)              # the bandwidth, before any model is loaded
-    for shape in DECODE_SHAPES[:1] if smoke else DECODE_SHAPES:
+    for shape in shapes[:1] if smoke else shapes:
         folder, name = shape_checkpoint(shape, smoke, device)
         configs[name] = json.loads((folder / "config.json").read_text())
         llm = LLM(folder, dtype="float32" if smoke else "bfloat16", num_kv_blocks=512, max_num_seqs=8,
@@ -191,12 +191,14 @@ def bench(res, args, smoke: bool) -> None:
 
 
 def main():
-    args = parser(__doc__, parts="bench,parity,decode,qknorm").parse_args()
+    ap = parser(__doc__, parts="bench,parity,decode,qknorm")
+    ap.add_argument("--decode-shapes", default=",".join(DECODE_SHAPES), help="the decode part's shapes, comma-separated")
+    args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)
     res = {"numerator": "output tokens actually generated", "shapes": {s: dict(SHAPES[s]) for s in DECODE_SHAPES}}
     parts = {"bench": lambda: bench(res, args, smoke), "parity": lambda: parity(res, device, smoke),
-             "decode": lambda: decode(res, device, smoke, lambda: save("decode", None)),
+             "decode": lambda: decode(res, device, smoke, lambda: save("decode", None), args.decode_shapes.split(",")),
              "qknorm": lambda: qknorm(res, device, smoke)}
     save = saver("families_h200.json", res, args)
     run_parts(parts, args.parts, save, res.setdefault("part_seconds", {}))
