@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import torch
 
-from .engine import LEDGER_PHASES, LLM, SamplingParams, StepLedger
+from .engine import LEDGER_PHASES, LLM, BatchConfig, SamplingParams, StepLedger
 from .measure import (busy_share, copy_bandwidth_GBps, count_device_kernels, matmul_TFLOPs, profile_run,
                                resolve_device, run_meta, warm_gpu, workload_limit)
 from .model import SHAPES, ModelConfig
@@ -424,8 +424,9 @@ def physical_limit(model_dir, requests: list[BenchRequest], engine_kwargs: dict 
     big = device.type == "cuda"
     bw, bw_flag = copy_bandwidth_GBps(4 << 30 if big else 64 << 20, device)
     rate, rate_flag = matmul_TFLOPs(8192 if big else 512, device)
+    max_num_seqs = kw.get("max_num_seqs") or BatchConfig().max_num_seqs
     lim = workload_limit(cfg, [len(r.prompt_token_ids) for r in requests], [r.max_tokens for r in requests],
-                         kw.get("max_num_seqs") or 64, bw, rate, dtype_bytes=4 if dtype == "float32" else 2)
+                         max_num_seqs, bw, rate, dtype_bytes=4 if dtype == "float32" else 2)
     return lim | {"device": str(device), "dtype": dtype, "disagree": bw_flag or rate_flag}
 
 # %% ../nbs/15_bench.ipynb #f0a4670c

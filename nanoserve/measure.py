@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import platform
 import statistics
@@ -22,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .model import ModelConfig
+from .tokenizer import hf_weight_shapes
 
 # %% auto #0
 __all__ = ['MEMORY_ACTIVITIES', 'WINDOW_PREFIX', 'MARKER_KERNEL', 'resolve_device', 'device_sync', 'warm_gpu', 'matmul_workload',
@@ -363,16 +365,9 @@ def _cfg(config, name, default=None):
 
 
 def model_params(config) -> int:
-    "Parameter count of a model of any family from its shape (a `config.json` dict or a `ModelConfig`)."
-    c = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
-    h, d, inter, vocab = c.hidden_size, c.head_dim, c.intermediate_size, c.vocab_size
-    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
-    attention = h * (q + 2 * kv) + q * h                          # QKV and O projections
-    if c.attention_bias: attention += q + 2 * kv                  # Qwen2's QKV bias
-    if c.qk_norm: attention += 2 * d                              # Qwen3's q and k norms
-    per_layer = attention + 3 * h * inter + 2 * h                 # + gate, up, down; input and post-attention norms
-    lm_head = 0 if c.tie_word_embeddings else vocab * h
-    return vocab * h + c.num_hidden_layers * per_layer + h + lm_head
+    """Parameter count of a model of any family from its shape (a `config.json` dict or a `ModelConfig`): the
+    tensors its checkpoint holds (`hf_weight_shapes`)."""
+    return sum(math.prod(shape) for shape in hf_weight_shapes(config).values())
 
 # %% ../nbs/13_measure.ipynb #a80c3762
 def model_weight_bytes(config, dtype_bytes: int = 2) -> int:

@@ -136,10 +136,10 @@ def tiny_qwen2_config(vocab_size: int, endoftext_id: int):
         bos_token_id=endoftext_id, eos_token_id=endoftext_id, dtype="float32")
 
 # %% ../nbs/03_tokenizer.ipynb #6093833f
-def hf_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Name and shape of every tensor in a checkpoint with this `config.json` dictionary, in a fixed order, for any
-    family of the model chapter (a QKV bias where the family has one, Qwen3's q/k norms, an explicit head_dim)."""
-    c = ModelConfig.from_dict(config)
+def hf_weight_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every tensor in a checkpoint with this `config.json` dictionary (or `ModelConfig`), in a fixed
+    order, for any family of the model chapter (a QKV bias where the family has one, Qwen3's q/k norms, head_dim)."""
+    c = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     h, inter, vocab, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (vocab, h)}
