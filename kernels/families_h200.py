@@ -26,12 +26,10 @@ import json, random, shutil, sys, tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, SamplingParams, decode_row, device_or_skip, drain, floors, free, is_smoke, out_path,  # noqa: E402
-                 parser, random_checkpoint, run_parts, saver, tiny_model)
+from lab import (LLM, SamplingParams, decode_row, device_or_skip, drain, floor_rows, floors, free, is_smoke,  # noqa: E402
+                 out_path, parser, random_checkpoint, run_parts, saver, tiny_model)
 
 import torch                                                                            # noqa: E402
-
-from nanoserve.measure import decode_floor_ms, kv_bytes_per_token, model_weight_bytes   # noqa: E402
 
 from nanoserve.bench import main as bench_main                                           # noqa: E402
 from nanoserve.model import SHAPES                                                      # noqa: E402
@@ -138,15 +136,6 @@ def decode(res, device, smoke: bool, save=lambda: None, shapes=DECODE_SHAPES) ->
         res.setdefault("decode", []).append(row)
         drain(llm); del llm; free()
         floor_rows(res, configs); save()
-
-
-def floor_rows(res, configs: dict) -> None:
-    "Each decode row against its floor: weight bytes + K/V bytes over the copy bandwidth `floors` measured."
-    for row in res.get("decode", []):
-        cfg = configs[row["shape"]]
-        fl = decode_floor_ms(model_weight_bytes(cfg), row["batch"] * row["mean_context"] * kv_bytes_per_token(cfg),
-                             res["copy_bandwidth_GBps"])
-        row["floor_ms"], row["x_floor"] = fl, row["median_ms"] / fl
 
 
 def qknorm(res, device, smoke: bool) -> None:

@@ -499,13 +499,19 @@ def decode_rows(model_dir, res, shape, configs: dict, batches, key, repeats=40, 
 
 
 def floors(res, configs: dict, nbytes: int = 4 << 30) -> None:
-    """Each res["decode"] row against its memory floor: weight bytes + K/V bytes over the copy bandwidth measured
-    here (`configs`: shape name -> its config)."""
+    """Each res["decode"] row against its memory floor (`floor_rows`), over the copy bandwidth measured here
+    (`configs`: shape name -> its config)."""
     bw, dis = copy_bandwidth_GBps(nbytes)
     res["copy_bandwidth_GBps"], res["copy_bandwidth_disagree"] = bw, dis
+    floor_rows(res, configs)
+
+
+def floor_rows(res, configs: dict) -> None:
+    "Each res[\"decode\"] row's floor: weight bytes + K/V bytes over res[\"copy_bandwidth_GBps\"] (from `floors`)."
     for row in res.get("decode", []):
         cfg = configs[row["shape"]]
-        fl = decode_floor_ms(model_weight_bytes(cfg), row["batch"] * row["mean_context"] * kv_bytes_per_token(cfg), bw)
+        fl = decode_floor_ms(model_weight_bytes(cfg), row["batch"] * row["mean_context"] * kv_bytes_per_token(cfg),
+                             res["copy_bandwidth_GBps"])
         row["floor_ms"], row["x_floor"] = fl, row["median_ms"] / fl
 
 
