@@ -418,14 +418,22 @@ class RunnerSetup:
 
 # %% ../nbs/10_runner.ipynb #892fda7d
 def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device) -> None:
-    "Compile every variant of the Triton decode kernel an eager step can pick (split-K of 1 to 16)."
+    """Compile every variant of the Triton decode kernel an eager step can launch: split-K of 1 to 16, with RoPE
+    inside and without, as the model's kernel table launches them. Writes nothing (the one slot is -1)."""
     k_cache, v_cache = kv_caches[0]
-    attn = model.layers[0].self_attn
-    q = torch.zeros(1, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device=device)   # [1, H, D]
-    table = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    ctx = torch.ones(1, dtype=torch.int64, device=device)
+    attn, kernels = model.layers[0].self_attn, model.kernels
+    H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = torch.zeros(1, H, D, dtype=k_cache.dtype, device=device)                              # [1, H, D]
+    qkv = torch.zeros(1, (H + 2 * KVH) * D, dtype=k_cache.dtype, device=device)               # [1, (H+2KVH)*D]
+    cos = torch.ones(1, D, dtype=k_cache.dtype, device=device)                                # [1, D]
+    table, ctx = torch.zeros(1, 1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int64, device=device)
+    slots = torch.full((1,), -1, dtype=torch.int64, device=device)
+    norm = None
+    if attn.q_norm is not None and kernels.qk_norm_in_attention: norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
     for splits in (1, 2, 4, 8, 16):
-        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits)
+        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, pdl=kernels.pdl)
+        decode_attention(None, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, out=torch.empty_like(q),
+                         pdl=kernels.pdl, rope=(qkv, cos, cos, slots), qk_norm=norm)
 
 # %% ../nbs/10_runner.ipynb #7a5489c9
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)

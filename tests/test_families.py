@@ -254,3 +254,14 @@ def test_quantized_families_equal_their_dequantized_weights(ckpts, name, method,
 def test_fewer_kv_heads_than_ranks_is_refused(ckpts):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide num_key_value_heads \(1\)"):
         LLM(ckpts["qwen3-gqa8-untied"][0], dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
+def test_start_up_compiles_qwen3s_decode_variants_and_writes_nothing(ckpts):
+    "The decode kernel's variants compiled at start-up (RoPE inside, Qwen3's norms folded in) leave the cache as it was."
+    llm = LLM(ckpts["qwen3-hd16"][0], dtype="float32", device="cpu", attention_backend="triton", enforce_eager=True,
+              num_kv_blocks=8, max_num_seqs=2)
+    assert llm.model.kernels.qk_norm_in_attention
+    llm.runner.kv_cache.normal_()
+    before = llm.runner.kv_cache.clone()
+    llm.runner.compile_kernels()
+    assert torch.equal(llm.runner.kv_cache, before)
