@@ -13,6 +13,10 @@ rule was tuned on), at batch 256 and 64 with ragged contexts around 1,000 tokens
 tutorials' order: every variant is checked against `decode_attention_ref` first (relative error), then timed as 16
 calls in one CUDA graph, twice (>15% apart flagged); GB/s = K and V of every context token, read once, over the
 time; the share is of the copy bandwidth measured in the same run.
+`--parts rope1` (also in the default): batch 1 as a decode-only engine step launches the kernel (RoPE inside, Qwen3's
+q/k norms folded in, PDL where the GPU has it) at short contexts, for each split count against the one CUDA graphs
+capture (`graphs.decode_splits` picks it for the longest context the engine allows), checked against the reference
+first; written under "rope1".
 `--smoke`: one tiny shape on the CPU under the Triton interpreter, written only to a temporary folder.
 """
 import math, sys
@@ -23,10 +27,10 @@ from lab import device_or_skip, disagree, is_smoke, parser, rel_err, write  # no
 
 import torch  # noqa: E402
 
-from nanoserve.attention import (choose_num_splits, decode_attention_kernel, decode_attention_ref,  # noqa: E402
-                                 split_buffers, tile_n)
+from nanoserve.attention import (choose_num_splits, decode_attention, decode_attention_kernel,  # noqa: E402
+                                 decode_attention_ref, rope_cache_ref, split_buffers, tile_n)
 from nanoserve.measure import copy_bandwidth_GBps  # noqa: E402
-from nanoserve.runtime import INTERPRET, num_sms  # noqa: E402
+from nanoserve.runtime import INTERPRET, num_sms, pdl_supported  # noqa: E402
 
 SHAPES = {"qwen3-0.6B": (16, 8, 128), "llama3.2-1B": (32, 8, 64), "llama3.1-8B": (32, 8, 128),
           "qwen2.5-0.5B": (14, 2, 64)}
@@ -112,13 +116,55 @@ def sweep(dev, name, H, KVH, D, B, max_ctx, pool_bytes, bw, smoke) -> list:
              "best": best, "shipped": base, "best_over_shipped": min(base["ms"]) / min(best["ms"])}]
 
 
+def rope1(dev, bw, smoke) -> list:
+    """Batch 1, RoPE and Qwen3's norms inside, each split count at short contexts: the graphs' count (for a 40,960-token
+    context) against the others, each checked against rope_cache_ref + decode_attention_ref, then timed."""
+    H, KVH, D, bs = (4, 2, 16, 16) if smoke else (16, 8, 128, 16)
+    dtype = torch.float16 if smoke else torch.bfloat16
+    pdl = pdl_supported(dev)
+    graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(bs, D), num_sms(dev))
+    rows = []
+    for ctx in ((20,) if smoke else (64, 200, 512, 2048)):
+        g = torch.Generator(device=dev).manual_seed(ctx)
+        nb = max(64, ctx // bs + 2)
+        kc = torch.randn(nb, bs, KVH, D, device=dev, dtype=dtype, generator=g); vc = torch.randn_like(kc)
+        table = torch.randperm(nb, device=dev, generator=g)[: -(-ctx // bs)].view(1, -1).to(torch.int32)
+        cl = torch.tensor([ctx], device=dev, dtype=torch.int32)
+        slot = (table[0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).view(1)
+        qkv = torch.randn(1, (H + 2 * KVH) * D, device=dev, dtype=dtype, generator=g)
+        ang = torch.rand(1, D // 2, device=dev, generator=g) * 6
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+        norm = tuple(1 + 0.5 * torch.randn(D, device=dev, generator=g) for _ in range(2))
+        norm = (norm[0].to(dtype), norm[1].to(dtype), 1e-6)
+        kr, vr = kc.float().clone(), vc.float().clone()
+        q_ref = rope_cache_ref(qkv.float(), cos.float(), sin.float(), slot, kr, vr, H, KVH,
+                               qk_norm=(norm[0].float(), norm[1].float(), 1e-6))
+        ref = decode_attention_ref(q_ref, kr, vr, table.long(), cl.long(), D ** -0.5)
+        out = torch.empty(1, H, D, device=dev, dtype=dtype)
+        for splits in (1, 2, 4, 8, 16):
+            call = lambda: decode_attention(None, kc, vc, table, cl, D ** -0.5, ctx, num_splits=splits, out=out,
+                                            pdl=pdl, rope=(qkv, cos, sin, slot), qk_norm=norm)
+            call()
+            err = rel_err(out.float(), ref)
+            assert err < 2e-2, (ctx, splits, err)
+            t, flag = graph_ms([call] * (2 if smoke else 16), dev)
+            rows.append({"ctx": ctx, "splits": splits, "graphs_splits": graphs_splits, "rel_err": err, "ms": t,
+                         "disagree": flag, "pdl": pdl})
+            print("rope1", rows[-1], flush=True)
+    return rows
+
+
 def main():
-    args = parser(__doc__).parse_args()
+    args = parser(__doc__, parts="tiles,rope1").parse_args()
     smoke = is_smoke(args)
     dev = device_or_skip(args)
     bw, bw_flag = copy_bandwidth_GBps(1 << 20 if smoke else 4 << 30, dev)
     res = {"copy_bandwidth_GBps": bw, "copy_bandwidth_disagree": bw_flag, "results": []}
     shapes = {"tiny": (4, 2, 16)} if smoke else SHAPES
+    if "rope1" in args.parts.split(","):
+        res["rope1"] = rope1(dev, bw, smoke)
+        write("decode_tiles_h200.json", res, args)
+    if "tiles" not in args.parts.split(","): return
     for name, (H, KVH, D) in shapes.items():
         for B, ctx in ((2, 40),) if smoke else CASES:
             res["results"] += sweep(dev, name, H, KVH, D, B, ctx, 1 << 20 if smoke else 2 << 30, bw, smoke)
