@@ -90,7 +90,7 @@ def sweep(dev, name, H, KVH, D, B, max_ctx, pool_bytes, bw, smoke) -> list:
     q = torch.randn(B, H, D, device=dev, dtype=dtype, generator=g)
     ref = decode_attention_ref(q.float(), kc.float(), vc.float(), tables[0].long(), cl.long(), D ** -0.5)
     nbytes = int(cl.sum()) * KVH * D * 2 * 2
-    rows, shipped = [], (tile_n(bs, D), 4, None)
+    rows, shipped = [], (tile_n(bs), 4, None)
     for tile in ((16,) if smoke else TILES):
         for warps in ((4,) if smoke else WARPS):
             for stages in ((None,) if smoke else STAGES):
@@ -122,7 +122,7 @@ def rope1(dev, bw, smoke) -> list:
     H, KVH, D, bs = (4, 2, 16, 16) if smoke else (16, 8, 128, 16)
     dtype = torch.float16 if smoke else torch.bfloat16
     pdl = pdl_supported(dev)
-    graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(bs, D), num_sms(dev))
+    graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(bs), num_sms(dev))
     rows = []
     for ctx in ((20,) if smoke else (64, 200, 512, 2048)):
         g = torch.Generator(device=dev).manual_seed(ctx)

@@ -576,10 +576,10 @@ def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 10
         table = torch.randperm(B * nblk, device=DEVICE).view(B, nblk)                      # [B, nblk]
         lens = torch.full((B,), ctx, device=DEVICE, dtype=torch.int64)
         q = torch.randn(B, H, D, device=DEVICE, dtype=KDTYPE)
-        row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, tile_n(bs, D), num_sms(q.device)),
+        row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, tile_n(bs), num_sms(q.device)),
                "us": {}}
         for sp in splits:
-            if sp > ctx // tile_n(bs, D): continue
+            if sp > ctx // tile_n(bs): continue
             row["us"][sp] = min(graph_bench(lambda i: (lambda: decode_attention(q, caches[i][0], caches[i][1], table,
                                                                                    lens, D ** -0.5, ctx, num_splits=sp)),
                                               nbytes))

@@ -303,7 +303,7 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
     return out
 
 # %% ../nbs/06_attention.ipynb #0baffcf8
-def tile_n(block_size: int, head_dim: int) -> int:
+def tile_n(block_size: int) -> int:
     "Keys per iteration of the decode loop: at least a block; 128 on a GPU (`kernels/decode_tiles_h200.py`)."
     return max(block_size, 128) if not INTERPRET else max(block_size, 16)
 
@@ -348,7 +348,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     like = q if q is not None else rope[0]
     out = torch.empty(B, H, D, dtype=like.dtype, device=like.device) if out is None else out
     if B == 0: return out
-    tile = tile_n(block_size, D)
+    tile = tile_n(block_size)
     if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device))
     merge = num_splits > 1 and merge_in_kernel
     part_out, part_lse, counters = split_buffers(out, KVH, num_splits, merge)

@@ -63,7 +63,7 @@ def logits_buffer(model: Qwen2ForCausalLM, rows: int, device: torch.device, fp32
 def decode_splits(model: Qwen2ForCausalLM, batch_sizes: list[int], max_model_len: int, block_size: int,
                   device: torch.device) -> dict[int, int]:
     "The decode kernel's split-K count of each bucket, chosen for the longest context the engine allows."
-    tile = tile_n(block_size, model.config.head_dim)
+    tile = tile_n(block_size)
     return {b: choose_num_splits(b, model.num_local_kv_heads, max_model_len, tile, num_sms(device))
             for b in batch_sizes}
 
