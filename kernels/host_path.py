@@ -35,11 +35,11 @@ def timings(llm, one, n: int) -> dict:
     total = [timeit.timeit(one, number=n) / n * 1e3 for _ in range(3)]
 
     def schedule_update():
-        step = sched.schedule(); sched.update(step, [1] * len(step.seqs))
+        step = sched.schedule(); sched.update(step, [1] * len(step.sample_seq_ids))
     sch = [timeit.timeit(schedule_update, number=n) / n * 1e3 for _ in range(3)]
     step = sched.schedule(); smp = llm._sampling(step)
     pack = [timeit.timeit(lambda: runner.pack(step, smp), number=n) / n * 1e3 for _ in range(3)]
-    sched.update(step, [1] * len(step.seqs))
+    sched.update(step, [1] * len(step.sample_seq_ids))
     return {"ms_per_step": total, "schedule_update_ms": sch, "pack_ms": pack, "best_ms": min(total)}
 
 

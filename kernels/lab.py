@@ -269,7 +269,7 @@ def decoding_engine(model_dir, batch: int, prompt_len: int = 1000, buckets=(1, 2
 
     def one():
         step = sched.schedule(); s = llm._sampling(step); x = runner.pack(step, s)
-        sched.update(step, [1] * len(step.seqs)); llm._reports(step, 0.0)
+        sched.update(step, [1] * len(step.sample_seq_ids)); llm._reports(step, 0.0)
         return x
     return llm, one
 

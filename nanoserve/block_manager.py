@@ -128,9 +128,9 @@ class BlockTables(BlockPool):
         "Blocks needed to hold `num_tokens` tokens."
         return -(-num_tokens // self.block_size)
     def block_table(self, seq_id: int) -> list[int]: return self._tables[seq_id]
-    def block_table_bytes(self, seq_id: int) -> bytes:
-        "`block_table(seq_id)` as native int64 bytes: a copy of memory, not a conversion of every id."
-        return self._table_arrays[seq_id].tobytes()
+    def block_table_array(self, seq_id: int) -> array:
+        "`block_table(seq_id)` as an int64 `array`, kept beside it: a step packs its bytes, not every id converted."
+        return self._table_arrays[seq_id]
     def __contains__(self, seq_id: int) -> bool: return seq_id in self._tables
 
     def _add_table(self, seq_id: int, table: list[int], hashes: list[bytes], num_computed_blocks: int | None = None):

@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .model import load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
 from .quant import QuantConfig, quantize_model
-from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
+from .runner import KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
@@ -360,6 +360,7 @@ class EngineStart(EngineLoad):
         self.runner = ModelRunner(self.model, self.num_kv_blocks, bs, self.device, self.dtype, self.kernels,
                                   num_penalty_slots=b.max_num_seqs)
         self._penalty_slots = PenaltySlots(b.max_num_seqs)      # which choice holds which row of the runner's counts
+        self._sampling_kept = None           # (sampled seq ids, their `SamplingRows`, their sequences): `_sampling`
         if self.device.type == "cuda" and self.attention_backend == "triton": self.runner.compile_kernels()
         graph_sizes = None                   # (batch buckets, token buckets)
         if self.use_cuda_graphs:
@@ -528,15 +529,20 @@ class EngineStep(EngineRequests):
 
     def _ledger_row(self, row: dict, step: Step, t0: float, t1: float, update: float, t3: float) -> None:
         gap = t0 - self._last_step_end if self._last_step_end is not None else 0.0
-        row.update(step=step.step_id, num_tokens=step.num_tokens, num_seqs=len(step.seqs),
+        row.update(step=step.step_id, num_tokens=step.num_tokens, num_seqs=step.num_seqs,
                    decode_only=step.is_decode_only, gap=gap, schedule=t1 - t0, update=update, total=t3 - t0 + gap)
         self.ledger.rows.append(row)
 
 # %% ../nbs/12_engine.ipynb #5965e4a7
-def _sampling(self: EngineStep, step: Step) -> list[tuple]:
-    "(temperature, top_p, top_k, seed, offset) of every sampled row of `step`."
-    sampled = (self._requests[s.seq_id] for s in step.seqs if s.sample)
-    return [r.sampling_row + (len(r.seq.output_token_ids),) for r in sampled]
+def _sampling(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
+    """(the sampled rows' fixed parameters, each row's offset: its output length) of `step`. The fixed columns, and
+    their packed bytes, are kept while the step's sampled sequences are the last step's: only the offsets are new."""
+    ids, kept = step.sample_seq_ids, self._sampling_kept
+    if kept is None or kept[0] != ids:
+        choices = [self._requests[i] for i in ids]
+        fixed = SamplingRows(*zip(*(c.sampling_row for c in choices))) if choices else SamplingRows()
+        kept = self._sampling_kept = (ids, fixed, [c.seq for c in choices])
+    return kept[1], [len(seq.output_token_ids) for seq in kept[2]]
 
 
 def _pack(self: EngineStep, step: Step):
@@ -567,9 +573,9 @@ def _bitmask(self: EngineStep, step: Step) -> torch.Tensor | None:
 EngineStep._sampling, EngineStep._pack, EngineStep._start_bitmask, EngineStep._bitmask = _sampling, _pack, _start_bitmask, _bitmask
 
 # %% ../nbs/12_engine.ipynb #e2f5f1c8
-def _kept(seq: Sequence, s, token: int) -> bool:
-    "Whether the scheduler kept `token` as the output token of scheduled `s` (not dropped as in flight past the end)."
-    k = s.context_len - seq.num_prompt_tokens
+def _kept(seq: Sequence, context_len: int, token: int) -> bool:
+    "Whether the scheduler kept `token` as the output token of a row at `context_len` (not dropped as in flight past the end)."
+    k = context_len - seq.num_prompt_tokens
     return k < len(seq.output_token_ids) and seq.output_token_ids[k] == token
 
 
@@ -578,9 +584,9 @@ def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, pla
     if plan: record_prompt(plan, launched.prompt_logprobs)
     if not (self._num_special or self._num_constrained): return
     lps, constrained, get = launched.logprobs or None, [], self._requests.get
-    for j, (s, token) in enumerate(zip((s for s in step.seqs if s.sample), tokens)):
-        r = get(s.seq_id)
-        if r is None or (r.seq.is_finished and not _kept(r.seq, s, token)): continue   # only a finished one drops
+    for j, (seq_id, context_len, token) in enumerate(zip(step.sample_seq_ids, step.sampled_context_lens(), tokens)):
+        r = get(seq_id)
+        if r is None or (r.seq.is_finished and not _kept(r.seq, context_len, token)): continue   # only a finished one drops
         if lps is not None: record_token(r, token, lps[j])
         if r.matcher is not None and token not in r.seq.stop_token_ids: constrained.append((r, token))
     if not constrained: return
@@ -603,8 +609,8 @@ class EngineLaunch(EngineStep):
         t1 = time.perf_counter()
         try:
             x, plan = self._pack(step)
-            defer = bool(self._num_constrained) and any(self._requests[s.seq_id].matcher is not None
-                                                        for s in step.seqs if s.sample)
+            defer = bool(self._num_constrained) and any(self._requests[i].matcher is not None
+                                                        for i in step.sample_seq_ids)
             return step, x, plan, defer, t1
         except BaseException:
             sched.cancel(step)             # nothing of it is applied; it will be scheduled again
@@ -702,7 +708,7 @@ class EngineReports(EngineAsync):
         "What the choices `step` sampled for have to report, read now: (choice, its output's length, finished, reason)."
         get = self._requests.get
         return [(r, len(r.seq.output_token_ids), r.seq.is_finished, r.seq.finish_reason)
-                for r in (get(s.seq_id) for s in step.seqs if s.sample) if r is not None]
+                for r in (get(i) for i in step.sample_seq_ids) if r is not None]
 
     def _reports(self, step: Step, now: float, reporting: list | None = None) -> list[RequestOutput]:
         """Outputs of the choices `step` sampled for (streamed ones, ones with stop strings, finished ones), from

@@ -277,8 +277,8 @@ def _bias(e: SamplingExtras, sampled: list[Choice]) -> None:
 # %% ../nbs/11a_params.ipynb #c5c64579
 def _prompt_rows(e: SamplingExtras, step: Step, choices: dict) -> list[tuple[Choice, list[int]]]:
     "Ask for the step's unscored prompt positions; returns (choice, the token ids they score) in row order."
-    plan, row = [], 0
-    for s in step.seqs:
+    plan, row = [], len(step.decodes or ())      # the decode rows come first, and score nothing
+    for s in step.chunks:
         c = choices.get(s.seq_id)
         if c is not None and c.prompt_logprobs is not None and not s.is_decode:
             lo, hi = max(s.start_pos, c.num_prompt_asked), min(s.context_len, c.seq.num_prompt_tokens - 1)
@@ -295,7 +295,7 @@ def _prompt_rows(e: SamplingExtras, step: Step, choices: dict) -> list[tuple[Cho
 # %% ../nbs/11a_params.ipynb #22a9c379
 def step_extras(step: Step, choices: dict, slots: PenaltySlots) -> tuple[SamplingExtras | None, list]:
     "The step's `SamplingExtras` (None: no row asks for anything beyond the draw) and its prompt-scoring plan."
-    sampled = [choices[s.seq_id] for s in step.seqs if s.sample]
+    sampled = [choices[i] for i in step.sample_seq_ids]
     e = SamplingExtras()
     _penalties(e, sampled, slots)
     if any(c.params.logit_bias or c.params.min_tokens for c in sampled): _bias(e, sampled)
@@ -347,7 +347,7 @@ def start_grammar_bitmask(step: Step, choices: dict, width: int, start_fill, out
     `start_fill(pairs, bitmask)` starts filling (row, matcher) pairs and returns its own `finish()`. `out`: a
     `MaskBuffer` (the engine's: pinned, so the copy to the GPU does not wait for work queued before it, and only the
     tokenizer's words are written), or a tensor of at least [S, width] that is filled whole."""
-    sampled = [choices.get(s.seq_id) for s in step.seqs if s.sample]     # (one finished meanwhile: unmasked)
+    sampled = [choices.get(i) for i in step.sample_seq_ids]     # (one finished meanwhile: unmasked)
     pairs = [(j, c.matcher) for j, c in enumerate(sampled) if c is not None and c.matcher is not None]
     if not pairs: return lambda: None
     if isinstance(out, MaskBuffer): bitmask = out.ready(len(sampled), {j for j, _ in pairs})

@@ -20,15 +20,15 @@ from .model import AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausal
 from .runtime import pdl_supported
 from .sampler import (LogitsProcessors, SamplingMetadata, reset_slots, sample, token_logprobs,
                                unpack_logprobs)
-from .scheduler import Step
+from .scheduler import DecodeRows, Step
 
 # %% auto #0
-__all__ = ['KernelConfig', 'resolve_kernels', 'model_kernels', 'StepInputs', 'Sections', 'put_decodes', 'put_prefills',
-           'sample_rows', 'prefill_chunks', 'pack_eager', 'pack_graph_step', 'add_feeds', 'SamplingExtras',
-           'add_extras', 'resolve_placeholders', 'processors_of', 'start_slots', 'eager_inputs', 'sampling_metadata',
-           'feed_of', 'StagingBuffer', 'RunnerSetup', 'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs',
-           'RunnerHost', 'RunnerDevice', 'Launched', 'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_block_bytes',
-           'step_peak_bytes', 'kv_cache_blocks']
+__all__ = ['KernelConfig', 'resolve_kernels', 'model_kernels', 'StepInputs', 'SamplingRows', 'sampling_rows', 'Sections',
+           'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager', 'decode_rows',
+           'pack_graph_step', 'add_feeds', 'SamplingExtras', 'add_extras', 'resolve_placeholders', 'processors_of',
+           'start_slots', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer', 'RunnerSetup',
+           'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice', 'Launched',
+           'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_block_bytes', 'step_peak_bytes', 'kv_cache_blocks']
 
 # %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
@@ -133,22 +133,56 @@ def _block(rows: int, n: int, *columns) -> list:
     return out
 
 
+class SamplingRows:
+    """The sampled rows' fixed parameters as columns (temperature, top_p, top_k, seed), with their packed bytes made
+    once per block size: an engine keeps one while its batch is unchanged, so a step packs only the offsets."""
+    def __init__(self, temps=(), top_ps=(), top_ks=(), seeds=()):
+        self.temps, self.top_ps, self.top_ks, self.seeds, self._packed = temps, top_ps, top_ks, seeds, {}
+        n = len(temps)
+        self.all_greedy = not n or max(temps) == 0
+        self.any_filter = n > 0 and (min(top_ps) < 1 or max(top_ks) > 0) and any(
+            t > 0 and (p < 1 or k > 0) for t, p, k in zip(temps, top_ps, top_ks))
+
+    def __len__(self) -> int: return len(self.temps)
+
+    def packed(self, rows: int) -> tuple[bytes, bytes, bytes]:
+        "(top_k and seed rows as int64, temperature and top_p rows as float32, the plain rest of the floats), `rows` long."
+        if rows not in self._packed:
+            n = len(self)
+            ints = array.array("q", _block(rows, n, (self.top_ks, 0), (self.seeds, 0)))
+            floats = array.array("f", _block(rows, n, (self.temps, 0.0), (self.top_ps, 1.0)))
+            plain = array.array("f", [0.0] * (3 * rows) + [1.0] * rows)       # no min_p; penalties (0, 0, 1)
+            self._packed[rows] = ints.tobytes(), floats.tobytes(), plain.tobytes()
+        return self._packed[rows]
+
+
+def sampling_rows(sampling) -> tuple[SamplingRows, list[int]]:
+    "(fixed columns, offsets) of `sampling`: a list of (temperature, top_p, top_k, seed, offset) rows, or that pair."
+    if isinstance(sampling, tuple): return sampling
+    temps, top_ps, top_ks, seeds, offsets = zip(*sampling) if sampling else [()] * 5
+    return SamplingRows(temps, top_ps, top_ks, seeds), list(offsets)
+
+# %% ../nbs/10_runner.ipynb #56335846
 def _with_sampling(layout: dict, ints, sampling, extras: SamplingExtras | None = None,
                    rows: int | None = None) -> StepInputs:
-    "A `StepInputs` of a step's integers (a list or an int64 `array`) and `layout`, the sampling block appended."
+    """A `StepInputs` of a step's integers (a list or an int64 `array`) and `layout`, the sampling block appended;
+    `sampling`: (temperature, top_p, top_k, seed, offset) rows, or `(SamplingRows, offsets)`."""
     packed = ints if isinstance(ints, array.array) else array.array("q", ints)
-    num_step_ints, n = len(packed), len(sampling)
+    fixed, offsets = sampling_rows(sampling)
+    num_step_ints, n = len(packed), len(fixed)
     rows = n if rows is None else rows
     penalties, min_ps = getattr(extras, "penalties", None), getattr(extras, "min_ps", None)
     scratch = getattr(extras, "scratch_slot", 0)
-    pen = penalties or [(0.0, 0.0, 1.0)] * n
-    packed.extend(_block(rows, n, ([x[2] for x in sampling], 0), ([x[3] for x in sampling], 0),
-                         ([x[4] for x in sampling], 0), (getattr(extras, "penalty_slots", None) or [scratch] * n, scratch)))
-    floats = _block(rows, n, ([x[0] for x in sampling], 0.0), ([x[1] for x in sampling], 1.0), (min_ps or [0.0] * n, 0.0),
-                    *(([p[i] for p in pen], (0.0, 0.0, 1.0)[i]) for i in range(3)))
-    return StepInputs(ints=packed, floats=array.array("f", floats), num_step_ints=num_step_ints, num_sampled=n,
-                      all_greedy=all(x[0] == 0 for x in sampling),
-                      any_filter=any(x[0] > 0 and (x[1] < 1 or x[2] > 0) for x in sampling), sample_rows=rows,
+    fixed_ints, fixed_floats, plain = fixed.packed(rows)
+    packed.frombytes(fixed_ints)                                             # top_k, seed
+    packed.extend(_block(rows, n, (offsets, 0), (getattr(extras, "penalty_slots", None) or [scratch] * n, scratch)))
+    floats = array.array("f", fixed_floats)                                  # temperature, top_p
+    if penalties is None and min_ps is None: floats.frombytes(plain)
+    else:
+        pen = zip(*penalties) if penalties else ([0.0] * n, [0.0] * n, [1.0] * n)
+        floats.extend(_block(rows, n, (min_ps or [0.0] * n, 0.0), *((p, pad) for p, pad in zip(pen, (0.0, 0.0, 1.0)))))
+    return StepInputs(ints=packed, floats=floats, num_step_ints=num_step_ints, num_sampled=n,
+                      all_greedy=fixed.all_greedy, any_filter=fixed.any_filter, sample_rows=rows,
                       has_penalties=penalties is not None, has_min_p=min_ps is not None, **layout)
 
 # %% ../nbs/10_runner.ipynb #21c25112
@@ -212,30 +246,39 @@ def pack_eager(step: Step, sampling, extras: SamplingExtras | None = None) -> St
                           sec.ints, sampling, extras)
 
 # %% ../nbs/10_runner.ipynb #1db87a59
+def decode_rows(step: Step) -> DecodeRows:
+    "A decode-only step's columns: the scheduler's, or made from its `ScheduledSeq`s (a step built by hand)."
+    if step.decodes is not None and not step.chunks: return step.decodes
+    seqs = step.seqs
+    return DecodeRows([s.seq_id for s in seqs], [s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
+                      [s.slot_mapping[0] for s in seqs], [s.block_table for s in seqs],
+                      [array.array("q", s.block_table) for s in seqs], [len(s.block_table) for s in seqs])
+
+
 def pack_graph_step(step: Step, sampling, bucket: int, width: int, extras: SamplingExtras | None = None,
                     rows: int | None = None) -> StepInputs:
     "A decode-only `step` padded to `bucket` rows of block tables `width` wide, in the static buffers' layout."
-    seqs, pad = step.seqs, bucket - len(step.seqs)
-    positions = [s.start_pos for s in seqs]
-    zeros = [0] * max(pad, width)
-    ints = [s.token_ids[0] for s in seqs] + zeros[:pad] + positions + zeros[:pad]
-    ints += [s.slot_mapping[0] for s in seqs]; ints += [-1] * pad
-    ints += [p + 1 for p in positions]; ints += [1] * pad
+    d = decode_rows(step)
+    n, pad = len(d), bucket - len(d)
+    zeros = [0] * pad
+    ints = d.token_ids + zeros + d.positions + zeros + d.slots + [-1] * pad + [p + 1 for p in d.positions] + [1] * pad
     packed = array.array("q", ints)
     zero_row, parts = bytes(8 * width), []
-    for s in seqs:
-        table = s.block_table_bytes
-        if table is None: table = array.array("q", s.block_table).tobytes()
-        parts.append(table); parts.append(zero_row[len(table):])
+    for table, num_blocks in zip(d.table_arrays, d.num_blocks):    # (a table may have grown since: its first blocks)
+        parts.append(table.tobytes()[:8 * num_blocks]); parts.append(zero_row[8 * num_blocks:])
     packed.frombytes(b"".join(parts))
     packed.frombytes(bytes(8 * pad * width))                  # the padding rows' tables: zeros, as bytes
-    return _with_sampling(dict(bucket=bucket, num_seqs=len(seqs), width=width), packed, sampling, extras, rows)
+    return _with_sampling(dict(bucket=bucket, num_seqs=n, width=width), packed, sampling, extras, rows)
 
 # %% ../nbs/10_runner.ipynb #63f23fbe
 def add_feeds(x: StepInputs, step: Step) -> StepInputs:
     "Append the rows whose input token is a placeholder, and which earlier sample each takes, to `x`."
     feeds, row = [], 0
-    for s in step.seqs:
+    if step.decodes:                                          # the decodes' rows come first, one token each
+        ids = step.decodes.token_ids
+        if min(ids) < 0: feeds = [(j, -t - 1) for j, t in enumerate(ids) if t < 0]
+        row = len(ids)
+    for s in step.chunks:
         ids = s.token_ids
         if ids[-1] < 0:
             if len(ids) != 1: raise RuntimeError(f"sequence {s.seq_id}: a placeholder outside a decode")
@@ -545,13 +588,13 @@ class RunnerHost(RunnerGraphs):
         if not eager and (replay := self.graph_bucket(step)):
             bucket, max_blocks = replay
             width = min(_pow2(max_blocks), self.graphs.max_blocks)    # the longest block table, rounded up
-            rows = self._graph_rows(len(sampling), extras)
+            rows = self._graph_rows(len(sampling_rows(sampling)[0]), extras)
             x = pack_graph_step(step, sampling, bucket, width, extras, rows)
         elif not eager and (mixed := self.mixed_bucket(step)):
             bucket, max_blocks = mixed
             width = min(_pow2(max_blocks), self.mixed_graphs.max_blocks)
-            rows = self._graph_rows(len(sampling), extras)
-            x = _with_sampling(dict(mixed_bucket=bucket, num_seqs=len(step.seqs), width=width),
+            rows = self._graph_rows(len(sampling_rows(sampling)[0]), extras)
+            x = _with_sampling(dict(mixed_bucket=bucket, num_seqs=step.num_seqs, width=width),
                                self.mixed_graphs.pack(step, bucket, width), sampling, extras, rows)
         else: x = pack_eager(step, sampling, extras)
         x = add_extras(add_feeds(x, step), extras)
@@ -565,15 +608,15 @@ class RunnerHost(RunnerGraphs):
 
     def graph_bucket(self, step: Step) -> tuple[int, int] | None:
         "(bucket, longest block table) when `step` replays; None when it runs eagerly (graphs off, prefill, too large)."
-        if self.graphs is None or not step.is_decode_only or not step.seqs: return None
-        max_blocks = max(len(s.block_table) for s in step.seqs)
-        bucket = self.graphs.bucket(len(step.seqs), max_blocks)
+        if self.graphs is None or not step.is_decode_only: return None
+        max_blocks = max(decode_rows(step).num_blocks)
+        bucket = self.graphs.bucket(step.num_seqs, max_blocks)
         return None if bucket is None else (bucket, max_blocks)
 
     def mixed_bucket(self, step: Step) -> tuple[int, int] | None:
         "(token bucket, longest block table) when a step with prefill chunks replays; None when it runs eagerly."
-        if self.mixed_graphs is None or not step.seqs or step.is_decode_only: return None
-        max_blocks = max(len(s.block_table) for s in step.seqs)
+        if self.mixed_graphs is None or not step.num_seqs or step.is_decode_only: return None
+        max_blocks = max(max(step.decodes.num_blocks) if step.decodes else 0, *(len(s.block_table) for s in step.chunks))
         bucket = self.mixed_graphs.bucket(step.num_tokens, max_blocks)
         return None if bucket is None else (bucket, max_blocks)
 

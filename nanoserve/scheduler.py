@@ -16,12 +16,12 @@ from pathlib import Path
 from .block_manager import BlockManager, CacheConfig
 
 # %% auto #0
-__all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'ScheduledSeq', 'Step', 'Trace', 'check_new_request',
-           'check_request_fits', 'seq_chunk', 'decode_chunk', 'SchedulerQueues', 'SchedulerMoves', 'num_fork_tokens',
-           'admission_kind', 'admission_blocker', 'schedule_decodes', 'schedule_prefills', 'admit_waiting',
-           'advance_seqs', 'resolve_seqs', 'check_queues', 'check_sequences', 'Scheduler', 'write_fake_kv',
-           'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult', 'feed_requests', 'simulate',
-           'replay']
+__all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'TokenSlices', 'ScheduledSeq', 'DecodeRows', 'Step', 'Trace',
+           'check_new_request', 'check_request_fits', 'seq_chunk', 'SchedulerQueues', 'SchedulerMoves',
+           'num_fork_tokens', 'admission_kind', 'admission_blocker', 'schedule_decodes', 'schedule_prefills',
+           'admit_waiting', 'advance_seqs', 'resolve_seqs', 'check_queues', 'check_sequences', 'Scheduler',
+           'write_fake_kv', 'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult', 'feed_requests',
+           'simulate', 'replay']
 
 # %% ../nbs/01_scheduler.ipynb #51df287c
 @dataclass(frozen=True)
@@ -101,6 +101,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool: return self.status is SequenceStatus.FINISHED
 
+# %% ../nbs/01_scheduler.ipynb #f74826c6
+class TokenSlices:
+    "A sequence's prompt + output tokens as something to slice (`[a:b]`), never concatenated whole: what naming a block reads."
+    __slots__ = ("seq",)
+    def __init__(self, seq: Sequence): self.seq = seq
+    def __len__(self) -> int: return self.seq.num_tokens
+    def __getitem__(self, i: slice) -> list[int]:
+        start, stop, _ = i.indices(len(self))
+        return self.seq.token_ids_slice(start, stop)
+
 # %% ../nbs/01_scheduler.ipynb #8eb00c21
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -112,7 +122,6 @@ class ScheduledSeq:
     slot_mapping: list[int]    # cache slot of each new token
     sample: bool               # sample a next token after this step
     is_decode: bool = False
-    block_table_bytes: bytes | None = None   # decodes: `block_table` as int64 bytes (the runner packs these)
 
     @property
     def num_tokens(self) -> int: return len(self.token_ids)
@@ -122,27 +131,67 @@ class ScheduledSeq:
     def positions(self) -> list[int]: return list(range(self.start_pos, self.context_len))
 
 # %% ../nbs/01_scheduler.ipynb #32d5daa2
-@dataclass
+@dataclass(slots=True)
+class DecodeRows:
+    "A step's decodes as columns: row j of each list is the j-th decode (one token, one slot, sampled)."
+    seq_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)    # its input token (a placeholder under async scheduling)
+    positions: list[int] = field(default_factory=list)    # the token's position: the context length less one
+    slots: list[int] = field(default_factory=list)        # the cache slot its K/V goes to
+    tables: list[list[int]] = field(default_factory=list) # its block table: the block manager's list, not a copy
+    table_arrays: list = field(default_factory=list)      # the same as an int64 `array` (the runner packs its bytes)
+    num_blocks: list[int] = field(default_factory=list)   # the table's length in this step (the list grows later)
+
+    def __len__(self) -> int: return len(self.seq_ids)
+    def row(self, j: int) -> ScheduledSeq:
+        "Row `j` as a `ScheduledSeq` (its table as it was in this step)."
+        return ScheduledSeq(self.seq_ids[j], [self.token_ids[j]], self.positions[j],
+                            self.tables[j][:self.num_blocks[j]], [self.slots[j]], sample=True, is_decode=True)
+
+# %% ../nbs/01_scheduler.ipynb #cde01c0f
 class Step:
-    "One scheduling decision: what the model computes now."
-    step_id: int
-    seqs: list[ScheduledSeq]
-    preempted_seq_ids: list[int] = field(default_factory=list)
+    "One scheduling decision: its decodes as columns, then its other chunks; `seqs` gives all as `ScheduledSeq`s."
+    __slots__ = ("step_id", "decodes", "chunks", "preempted_seq_ids", "_seqs")
+
+    def __init__(self, step_id: int, seqs=(), preempted_seq_ids=(), decodes: DecodeRows | None = None):
+        self.step_id, self.decodes, self.chunks = step_id, decodes if decodes else None, list(seqs)
+        self.preempted_seq_ids, self._seqs = list(preempted_seq_ids), None
 
     @property
-    def num_tokens(self) -> int: return sum(s.num_tokens for s in self.seqs)
+    def seqs(self) -> list[ScheduledSeq]:
+        "Every row, decodes first (made once, when first asked)."
+        if self._seqs is None:
+            d = self.decodes
+            self._seqs = ([d.row(j) for j in range(len(d))] if d else []) + self.chunks
+        return self._seqs
+
     @property
-    def num_decode_seqs(self) -> int: return sum(s.is_decode for s in self.seqs)
+    def num_seqs(self) -> int: return len(self.decodes or ()) + len(self.chunks)
     @property
-    def is_decode_only(self) -> bool: return bool(self.seqs) and all(s.is_decode for s in self.seqs)
+    def num_tokens(self) -> int: return len(self.decodes or ()) + sum(len(s.token_ids) for s in self.chunks)
     @property
-    def token_ids(self) -> list[int]: return [t for s in self.seqs for t in s.token_ids]
+    def num_decode_seqs(self) -> int: return len(self.decodes or ()) + sum(s.is_decode for s in self.chunks)
     @property
-    def positions(self) -> list[int]: return [p for s in self.seqs for p in s.positions]
+    def is_decode_only(self) -> bool: return self.num_seqs > 0 and all(s.is_decode for s in self.chunks)
     @property
-    def slot_mapping(self) -> list[int]: return [x for s in self.seqs for x in s.slot_mapping]
-    @property
-    def sample_seq_ids(self) -> list[int]: return [s.seq_id for s in self.seqs if s.sample]
+    def sample_seq_ids(self) -> list[int]:
+        return (self.decodes.seq_ids[:] if self.decodes else []) + [s.seq_id for s in self.chunks if s.sample]
+
+    def sampled_context_lens(self) -> list[int]:
+        "The context length of each sampled row, in `sample_seq_ids`' order."
+        d = [p + 1 for p in self.decodes.positions] if self.decodes else []
+        return d + [s.context_len for s in self.chunks if s.sample]
+
+    def __repr__(self) -> str: return f"Step({self.step_id}, {self.seqs!r}, {self.preempted_seq_ids!r})"
+
+# %% ../nbs/01_scheduler.ipynb #0fabdc51
+def _flat(step: Step, name: str, column: str) -> list[int]:
+    d = getattr(step.decodes, column) if step.decodes else []
+    return d + [x for s in step.chunks for x in getattr(s, name)]
+
+Step.token_ids = property(lambda self: _flat(self, "token_ids", "token_ids"), doc="Every row's tokens, in order.")
+Step.positions = property(lambda self: _flat(self, "positions", "positions"), doc="Their positions.")
+Step.slot_mapping = property(lambda self: _flat(self, "slot_mapping", "slots"), doc="Their cache slots.")
 
 # %% ../nbs/01_scheduler.ipynb #3548b388
 class Trace:
@@ -192,15 +241,6 @@ def seq_chunk(bm: BlockManager, seq: Sequence, n: int, is_decode: bool = False) 
     return ScheduledSeq(seq.seq_id, seq.token_ids_slice(start, start + n), start, list(table),
                         bm.slot_mapping(seq.seq_id, start, start + n),
                         sample=start + n == seq.num_tokens, is_decode=is_decode)
-
-# %% ../nbs/01_scheduler.ipynb #60baf70c
-def decode_chunk(bm: BlockManager, seq: Sequence, num_tokens: int) -> ScheduledSeq:
-    "`seq_chunk(bm, seq, 1, is_decode=True)` for a sequence of `num_tokens` tokens, without its general slicing."
-    pos, bs = num_tokens - 1, bm.block_size
-    table = bm.block_table(seq.seq_id)
-    last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-    return ScheduledSeq(seq.seq_id, [last], pos, list(table), [table[pos // bs] * bs + pos % bs], sample=True,
-                        is_decode=True, block_table_bytes=bm.block_table_bytes(seq.seq_id))
 
 # %% ../nbs/01_scheduler.ipynb #2d2ae50d
 class SchedulerQueues:
@@ -320,33 +360,40 @@ def admission_blocker(sched: SchedulerMoves, seq: Sequence, parent: Sequence | N
     return None if fits else "blocks"
 
 # %% ../nbs/01_scheduler.ipynb #d49ab6f9
-def schedule_decodes(sched: SchedulerMoves, scheduled: list, preempted: list, budget: int) -> int:
-    """Pass 1: one token for each running decode, oldest first; where a decode needs a block and none is free,
-    preempt the youngest running sequence (possibly itself) until it fits. Returns the budget left."""
-    bm = sched.block_manager
-    bs = bm.block_size
+def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list, budget: int) -> int:
+    """Pass 1: one token for each running decode, oldest first, appended to `decodes`' columns; where a decode needs
+    a block and none is free, preempt the youngest running sequence (possibly itself) until it fits. Returns the
+    budget left. (It runs for every sequence of every step: names held locally, no object per row.)"""
+    bm, running, d = sched.block_manager, sched.running, decodes
+    bs, table_of, array_of = bm.block_size, bm.block_table, bm.block_table_array
+    add_id, add_token, add_pos, add_slot = d.seq_ids.append, d.token_ids.append, d.positions.append, d.slots.append
+    add_table, add_array, add_len = d.tables.append, d.table_arrays.append, d.num_blocks.append
     i = 0
-    while i < len(sched.running) and budget > 0:
-        seq = sched.running[i]
-        num_tokens = seq.num_tokens
-        if num_tokens - seq.num_computed_tokens == 1:
-            if num_tokens > len(bm.block_table(seq.seq_id)) * bs:   # its last block is full: it needs one more
-                while not bm.can_append(seq.seq_id, num_tokens):
-                    victim = sched.running[-1]
-                    sched._preempt(victim, for_seq=seq.seq_id)
-                    preempted.append(victim.seq_id)
-                    if victim is seq: break
-                if seq.status is not SequenceStatus.RUNNING: break   # it was the youngest: nothing after it
-                bm.append_slots(seq.seq_id, num_tokens)
-            scheduled.append(decode_chunk(bm, seq, num_tokens)); budget -= 1
-        i += 1
+    while i < len(running) and budget > 0:
+        seq = running[i]; i += 1
+        out, seq_id = seq.output_token_ids, seq.seq_id
+        pos = len(seq.prompt_token_ids) + len(out) - 1              # the one uncomputed token's position
+        if pos != seq.num_computed_tokens: continue                 # still in prefill
+        table = table_of(seq_id)
+        if pos >= len(table) * bs:                                  # its last block is full: it needs one more
+            while not bm.can_append(seq_id, pos + 1):
+                victim = running[-1]
+                sched._preempt(victim, for_seq=seq_id)
+                preempted.append(victim.seq_id)
+                if victim is seq: break
+            if seq.status is not SequenceStatus.RUNNING: break       # it was the youngest: nothing after it
+            bm.append_slots(seq_id, pos + 1)
+        add_id(seq_id); add_token(out[-1] if out else seq.prompt_token_ids[-1]); add_pos(pos)
+        add_slot(table[pos // bs] * bs + pos % bs); add_table(table); add_array(array_of(seq_id)); add_len(len(table))
+        budget -= 1
     return budget
 
 # %% ../nbs/01_scheduler.ipynb #358650dd
-def schedule_prefills(sched: SchedulerMoves, scheduled: list, budget: int) -> int:
-    "Pass 2: the next chunk of each running sequence still in prefill, oldest first; returns the budget left."
+def schedule_prefills(sched: SchedulerMoves, scheduled: list, budget: int, decode_ids: list[int] = ()) -> int:
+    """Pass 2: the next chunk of each running sequence still in prefill (not among `decode_ids`), oldest first;
+    returns the budget left."""
     cfg = sched.config
-    in_step = {s.seq_id for s in scheduled} if len(scheduled) < len(sched.running) else None
+    in_step = set(decode_ids) if len(decode_ids) < len(sched.running) else None
     for seq in (sched.running if in_step is not None else ()):   # (every running sequence decodes: none)
         if budget == 0: break
         if seq.num_uncomputed_tokens > 1 and seq.seq_id not in in_step:
@@ -381,13 +428,39 @@ def admit_waiting(sched: SchedulerMoves, scheduled: list, preempted: list, budge
             if n: scheduled.append(seq_chunk(bm, seq, n)); budget -= n
 
 # %% ../nbs/01_scheduler.ipynb #e2aaf115
+def _advance_decodes(sched: SchedulerMoves, d: DecodeRows, advanced: list) -> None:
+    "`advance_seqs` for a step's decode columns: one computed token each, and a placeholder for its sample."
+    bs, get_seq, running = sched.block_manager.block_size, sched.seqs.get, SequenceStatus.RUNNING
+    for seq_id, pos in zip(d.seq_ids, d.positions):
+        advanced.append(None)
+        seq = get_seq(seq_id)
+        if seq is None or seq.status is not running: continue      # aborted or stopped meanwhile
+        if pos < seq.max_computed_tokens: seq.num_recomputed_tokens += 1    # recompute after a preemption
+        if pos < len(seq.prompt_token_ids): seq.num_prefill_tokens += 1     # a prompt's last token
+        seq.num_computed_tokens = computed = seq.num_computed_tokens + 1
+        if computed > seq.max_computed_tokens: seq.max_computed_tokens = computed
+        if computed % bs == 0: sched.block_manager.cache_blocks(seq_id, TokenSlices(seq), computed)   # a block filled
+        out = seq.output_token_ids
+        out.append(-len(advanced))                    # the placeholder -(1 + j) of the j-th sampled sequence
+        advanced[-1] = seq
+        if len(out) >= seq.max_tokens: _leave_at_length(sched, seq)
+
+
+def _leave_at_length(sched: SchedulerMoves, seq: Sequence) -> None:
+    "`seq` reached max_tokens in a launched step: it leaves the batch now, done once that step resolves."
+    sched.running.remove(seq)
+    sched.block_manager.free(seq.seq_id)
+    sched.finishing.append(seq)
+
+# %% ../nbs/01_scheduler.ipynb #7592447a
 def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
     """What a launched `step` computes, before its sampled tokens are known: computed counts move on, full blocks
     are named, the j-th sampled sequence gets the placeholder `-(1 + j)`, and one at `max_tokens` leaves now."""
-    sched._advanced = advanced = []     # (the loop runs for every sequence of every step: names held locally)
+    sched._advanced = advanced = []
     sched.num_steps += 1
+    if step.decodes: _advance_decodes(sched, step.decodes, advanced)
     bs, get_seq, running = sched.block_manager.block_size, sched.seqs.get, SequenceStatus.RUNNING
-    for s in step.seqs:
+    for s in step.chunks:
         if s.sample: advanced.append(None)
         seq = get_seq(s.seq_id)
         if seq is None or seq.status is not running: continue   # aborted or stopped meanwhile
@@ -397,26 +470,23 @@ def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
         if s.start_pos < len(seq.prompt_token_ids):   # prefill: prompt positions computed (forks skip theirs)
             seq.num_prefill_tokens += min(s.start_pos + n, len(seq.prompt_token_ids)) - s.start_pos
         if (computed + n) // bs > computed // bs:   # a block filled up
-            sched.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, computed + n)
+            sched.block_manager.cache_blocks(seq.seq_id, TokenSlices(seq), computed + n)
         seq.num_computed_tokens = computed = computed + n
         if computed > seq.max_computed_tokens: seq.max_computed_tokens = computed
         if not s.sample: continue
-        seq.output_token_ids.append(-len(advanced))   # the placeholder -(1 + j) of the j-th sampled sequence
+        seq.output_token_ids.append(-len(advanced))
         advanced[-1] = seq
-        if len(seq.output_token_ids) >= seq.max_tokens:                  # done, whatever the token is
-            sched.running.remove(seq)
-            sched.block_manager.free(seq.seq_id)
-            sched.finishing.append(seq)
+        if len(seq.output_token_ids) >= seq.max_tokens: _leave_at_length(sched, seq)
 
 # %% ../nbs/01_scheduler.ipynb #c196dd0f
 def resolve_seqs(sched: SchedulerMoves, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
     "Put the in-flight `step`'s sampled tokens in place of its placeholders; returns the sequences that finished."
-    finished = []
-    for s, seq, token in zip((s for s in step.seqs if s.sample), sched._advanced, sampled_token_ids):
-        if seq is None or seq.status is SequenceStatus.FINISHED: continue   # aborted (or stopped) meanwhile
-        k = s.context_len - seq.num_prompt_tokens                         # where its placeholder went
+    finished, first, done = [], step.step_id + 1, SequenceStatus.FINISHED
+    for seq, token, context_len in zip(sched._advanced, sampled_token_ids, step.sampled_context_lens()):
+        if seq is None or seq.status is done: continue                    # aborted (or stopped) meanwhile
+        k = context_len - len(seq.prompt_token_ids)                       # where its placeholder went
         seq.output_token_ids[k] = token
-        if seq.first_token_step is None: seq.first_token_step = step.step_id + 1
+        if seq.first_token_step is None: seq.first_token_step = first
         if token in seq.stop_token_ids: reason = "stop"
         elif seq in sched.finishing: reason = "length"
         else: continue
@@ -457,17 +527,17 @@ class Scheduler(SchedulerMoves):
     def schedule(self) -> Step:
         "Decide the next step. Raises if the previous step was not `update`d."
         if self._pending_step is not None: raise RuntimeError("update() the previous step before scheduling another")
-        budget, scheduled, preempted = self.config.max_num_batched_tokens, [], []
-        budget = schedule_decodes(self, scheduled, preempted, budget)
-        budget = schedule_prefills(self, scheduled, budget)
+        budget, decodes, scheduled, preempted = self.config.max_num_batched_tokens, DecodeRows(), [], []
+        budget = schedule_decodes(self, decodes, preempted, budget)
+        budget = schedule_prefills(self, scheduled, budget, decodes.seq_ids)
         admit_waiting(self, scheduled, preempted, budget)
-        if not scheduled and (self.running or self.waiting):
+        if not (decodes or scheduled) and (self.running or self.waiting):
             raise RuntimeError(f"scheduler made no progress: running {len(self.running)}, waiting "
                                f"{len(self.waiting)}, free blocks {self.block_manager.num_free_blocks} (this is a bug)")
-        step = Step(self.num_steps, scheduled, preempted)
+        step = Step(self.num_steps, scheduled, preempted, decodes)
         if self.trace is not None:
-            self._record("step", decode=[s.seq_id for s in scheduled if s.is_decode],
-                         prefill=[[s.seq_id, s.start_pos, s.num_tokens] for s in scheduled if not s.is_decode],
+            self._record("step", decode=decodes.seq_ids[:],
+                         prefill=[[s.seq_id, s.start_pos, s.num_tokens] for s in scheduled],
                          num_tokens=step.num_tokens, free_blocks=self.block_manager.num_free_blocks)
         self._pending_step = step
         return step

@@ -8,6 +8,7 @@ import torch
 from nanoserve.attention import paged_attention
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, graph_token_sizes, pick_bucket
+from nanoserve.scheduler import Step
 from nanoserve.tokenizer import ensure_default_model
 
 TINY = ensure_default_model()      # the random tiny model: 2 layers of 64, fast through the Triton interpreter
@@ -137,25 +138,27 @@ def test_one_launch_load_gives_the_eager_tokens(monkeypatch):
     assert len(calls) == replays > 10 and any(calls)          # every replay loaded by it, some with a feed
 
 
-def test_graph_step_packs_block_tables_from_bytes_as_from_lists():
-    """Decodes hand their block tables over as int64 bytes (`block_table_bytes`); a step packed from them equals the
-    same step packed from the lists (`block_table_bytes=None`), padding rows and all; tables of different lengths."""
+def test_graph_step_packs_decode_columns_as_scheduled_seqs():
+    """The scheduler hands decodes over as columns (`DecodeRows`, block tables as int64 arrays); a step packed from
+    them equals the same step built by hand from `ScheduledSeq`s, padding rows and all; tables of different lengths."""
     llm = LLM(TINY, dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
     for i, n in enumerate((5, 40, 17)):                               # 1, 3 and 2 blocks of 16
         llm.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     for _ in range(3): llm.step()                                     # prefill and two decodes, run eagerly
     llm.runner.enable_graphs(graph_batch_sizes(4), llm.max_model_len, capture=False)   # then only packed here
     step = llm.scheduler.schedule()
-    assert step.is_decode_only and len({len(s.block_table) for s in step.seqs}) == 3
-    assert all(s.block_table_bytes is not None for s in step.seqs)
+    assert step.is_decode_only and step.decodes is not None and not step.chunks
+    assert len(set(step.decodes.num_blocks)) == 3
     sampling = llm._sampling(step)
-    from_bytes = llm.runner.pack(step, sampling)
-    plain = dataclasses.replace(step, seqs=[dataclasses.replace(s, block_table_bytes=None) for s in step.seqs])
-    from_lists = llm.runner.pack(plain, sampling)
-    assert from_bytes.bucket == 4 and from_bytes.width == 4
-    assert from_bytes.ints.tolist() == from_lists.ints.tolist()
+    from_columns = llm.runner.pack(step, sampling)
+    by_hand = Step(step.step_id, [dataclasses.replace(s) for s in step.seqs])
+    assert by_hand.decodes is None
+    from_seqs = llm.runner.pack(by_hand, sampling)
+    assert from_columns.bucket == 4 and from_columns.width == 4
+    assert from_columns.ints.tolist() == from_seqs.ints.tolist()
+    assert list(from_columns.floats) == list(from_seqs.floats)
     bucket, width = 4, 4                                              # the tables' section, written out by hand
     tables = [b for s in step.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
     tables += [0] * width * (bucket - len(step.seqs))
-    assert from_bytes.ints.tolist()[4 * bucket:4 * bucket + bucket * width] == tables
+    assert from_columns.ints.tolist()[4 * bucket:4 * bucket + bucket * width] == tables
     llm.scheduler.cancel(step)
