@@ -269,6 +269,8 @@ def decoding_engine(model_dir, batch: int, prompt_len: int = 1000, buckets=(1, 2
 
     def one():
         step = sched.schedule(); s = llm._sampling(step); x = runner.pack(step, s)
+        held = getattr(runner, "_table_update", None)      # what a launch commits (tables kept on the device)
+        if held is not None: runner.graphs.held.commit(held)
         sched.update(step, [1] * len(step.sample_seq_ids)); llm._reports(step, 0.0)
         return x
     return llm, one

@@ -26,7 +26,7 @@ from .runner import KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, mo
 from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
-from .scheduler import Scheduler, SchedulerConfig, Sequence, Step
+from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus, Step
 from .structured import GrammarCompiler
 from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
 
@@ -169,6 +169,7 @@ class _Request(Choice):
     detok: object = None
     output: RequestOutput | None = None
     stream: bool = True            # report (and detokenize) every step, not only at the end
+    every_step: bool = True        # looked at every step it samples (streamed, or stop strings); else at its end
     num_reported: int = 0
     group: "_Group | None" = None
 
@@ -463,6 +464,7 @@ def _add(self: EngineRequests, text, ids, params: SamplingParams, stream: bool =
         r = new_choice(seq, params, row, i, matcher, scores_prompt=i == 0, cls=_Request, stream=stream, group=group,
                        detok=self._detokenizer(ids),
                        output=RequestOutput(rid, text, ids, arrival_time=now, index=i))
+        r.every_step = (stream or bool(params.stop)) and not group.holds
         self.scheduler.add(seq)
         self._requests[seq_id] = r
         group.choices.append(r)
@@ -706,9 +708,13 @@ class EngineReports(EngineAsync):
 
     def _reporting(self, step: Step) -> list[tuple]:
         "What the choices `step` sampled for have to report, read now: (choice, its output's length, finished, reason)."
-        get = self._requests.get
-        return [(r, len(r.seq.output_token_ids), r.seq.is_finished, r.seq.finish_reason)
-                for r in (get(i) for i in step.sample_seq_ids) if r is not None]
+        get, done, rows = self._requests.get, SequenceStatus.FINISHED, []
+        for r in map(get, step.sample_seq_ids):        # a choice reported only at its end is passed over until then
+            if r is None: continue
+            seq = r.seq
+            if r.every_step or seq.status is done or r.output.first_token_time is None:
+                rows.append((r, len(seq.output_token_ids), seq.status is done, seq.finish_reason))
+        return rows
 
     def _reports(self, step: Step, now: float, reporting: list | None = None) -> list[RequestOutput]:
         """Outputs of the choices `step` sampled for (streamed ones, ones with stop strings, finished ones), from

@@ -360,9 +360,11 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
 # %% ../nbs/07_fused.ipynb #10bd019f
 @triton.jit
 def load_step_kernel(packed_ptr, small_ptr, tables_ptr, feed_rows_ptr, samples_ptr, which_ptr, bucket, width,
-                     stride_small, stride_tables, num_feeds, BLOCK: tl.constexpr):
+                     stride_small, stride_tables, num_feeds, num_rows, num_entries, BLOCK: tl.constexpr,
+                     KEPT: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
+    tables = packed_ptr + 4 * bucket               # what follows the step's integers
     if pid == 0:                                   # the step's integers [4, bucket], then the feed over the ids
         for start in range(0, 4 * bucket, BLOCK):
             i = start + offs
@@ -375,25 +377,37 @@ def load_step_kernel(packed_ptr, small_ptr, tables_ptr, feed_rows_ptr, samples_p
             rows = tl.load(feed_rows_ptr + j, mask=m, other=0)
             which = tl.load(which_ptr + j, mask=m, other=0)
             tl.store(small_ptr + rows, tl.load(samples_ptr + which, mask=m), mask=m)
-    else:                                          # block-table row pid - 1
-        row = pid - 1
+    elif KEPT and pid > num_rows:                  # entries (pid - 1 - num_rows) * BLOCK...: (flat index, block id)
+        e = (pid - 1 - num_rows) * BLOCK + offs
+        m = e < num_entries
+        entries = tables + num_rows + num_rows * width
+        where = tl.load(entries + e, mask=m, other=0)
+        tl.store(tables_ptr + where, tl.load(entries + num_entries + e, mask=m), mask=m)
+    else:                                          # a whole row: row pid - 1, or (KEPT) the row id it names
+        row = tl.load(tables + pid - 1) if KEPT else pid - 1
+        src = tables + num_rows + (pid - 1) * width if KEPT else tables + (pid - 1) * width
         for start in range(0, width, BLOCK):
             c = start + offs
             m = c < width
-            v = tl.load(packed_ptr + 4 * bucket + row * width + c, mask=m)
-            tl.store(tables_ptr + row * stride_tables + c, v, mask=m)
+            tl.store(tables_ptr + row * stride_tables + c, tl.load(src + c, mask=m), mask=m)
 
-
+# %% ../nbs/07_fused.ipynb #82d865bc
 def load_step(small: torch.Tensor, tables: torch.Tensor, packed: torch.Tensor, bucket: int, width: int,
-              feed: tuple | None = None) -> None:
-    """small[:, :bucket] = packed[:4 bucket], tables[:bucket, :width] = the next bucket x width of `packed`, then
-    small[0][rows] = samples[which] for `feed` = (rows, samples, which): one launch."""
+              feed: tuple | None = None, kept: tuple[int, int] | None = None) -> None:
+    """small[:, :bucket] = packed[:4 bucket]; then tables[:bucket, :width] = the next bucket x width of `packed`, or
+    with `kept` = (num_rows, num_entries) the changes of tables kept on the device: `num_rows` row ids and their rows
+    `width` wide, then `num_entries` flat indices into `tables` and their values; then small[0][rows] =
+    samples[which] for `feed` = (rows, samples, which). One launch."""
+    num_rows, num_entries = kept if kept is not None else (bucket, 0)
+    table_ints = bucket * width if kept is None else num_rows * (1 + width) + 2 * num_entries
     if small.dim() != 2 or small.shape[0] != 4 or bucket > small.shape[1] or bucket > tables.shape[0] \
-            or width > tables.shape[1] or packed.numel() < 4 * bucket + bucket * width:
+            or width > tables.shape[1] or packed.numel() < 4 * bucket + table_ints:
         raise ValueError(f"load_step: a step of {bucket} rows and {width} table entries does not fit these buffers")
-    if len({small.dtype, tables.dtype, packed.dtype}) != 1 or small.stride(1) != 1 or tables.stride(1) != 1:
-        raise ValueError("load_step: buffers of one dtype, contiguous along their rows")
+    if len({small.dtype, tables.dtype, packed.dtype}) != 1 or small.stride(1) != 1 or not tables.is_contiguous():
+        raise ValueError("load_step: buffers of one dtype, the tables contiguous")
     rows, samples, which = feed if feed is not None else (packed, packed, packed)
     if samples.dtype != small.dtype: raise ValueError("load_step: the fed samples must have the buffers' dtype")
-    load_step_kernel[(1 + bucket,)](packed, small, tables, rows, samples, which, bucket, width, small.stride(0),
-                                    tables.stride(0), rows.numel() if feed is not None else 0, BLOCK=256, num_warps=4)
+    grid = 1 + num_rows + triton.cdiv(num_entries, 256)
+    load_step_kernel[(grid,)](packed, small, tables, rows, samples, which, bucket, width, small.stride(0),
+                              tables.stride(0), rows.numel() if feed is not None else 0, num_rows, num_entries,
+                              BLOCK=256, KEPT=kept is not None, num_warps=4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 import sys
 import time
 
@@ -19,7 +20,7 @@ from .runtime import num_sms
 
 # %% auto #0
 __all__ = ['graph_batch_sizes', 'pick_bucket', 'check_buckets', 'decode_buffers', 'logits_buffer', 'decode_splits', 'apply_feed',
-           'load_decode_inputs', 'capture_graphs', 'decode_forward', 'DecodeGraphs', 'graph_token_sizes',
+           'load_decode_inputs', 'capture_graphs', 'decode_forward', 'HeldTables', 'DecodeGraphs', 'graph_token_sizes',
            'mixed_section_sizes', 'mixed_inputs', 'pack_mixed_step', 'mixed_forward', 'uses_triton_attention',
            'MixedGraphs']
 
@@ -77,11 +78,19 @@ def apply_feed(input_ids: torch.Tensor, feed: tuple) -> None:
 
 # %% ../nbs/09_cuda_graphs.ipynb #a0f3da6f
 def load_decode_inputs(small: torch.Tensor, block_tables: torch.Tensor, packed: torch.Tensor, bucket: int,
-                       width: int, feed: tuple | None = None, one_launch: bool = False) -> None:
-    "Copy a step's packed integers (4 rows of `bucket`, then `bucket x width` table entries) and its feed in."
-    if one_launch: return load_step(small, block_tables, packed, bucket, width, feed)
+                       width: int, feed: tuple | None = None, one_launch: bool = False,
+                       kept: tuple[int, int] | None = None) -> None:
+    """Copy a step's packed integers (4 rows of `bucket`, then `bucket x width` table entries, or with `kept` =
+    (R, E) the changes of tables kept on the device: R row ids, their rows, E flat indices, their values) and its
+    feed in."""
+    if one_launch: return load_step(small, block_tables, packed, bucket, width, feed, kept)
     small[:, :bucket].copy_(packed[:4 * bucket].view(4, bucket))                                    # [4, bucket]
-    block_tables[:bucket, :width].copy_(packed[4 * bucket:4 * bucket + bucket * width].view(bucket, width))
+    t = packed[4 * bucket:]
+    if kept is None: block_tables[:bucket, :width].copy_(t[:bucket * width].view(bucket, width))
+    else:
+        R, E = kept
+        block_tables[:, :width].index_copy_(0, t[:R], t[R:R + R * width].view(R, width))            # [R, width]
+        block_tables.view(-1).index_copy_(0, t[R + R * width:R + R * width + E], t[R + R * width + E:R + R * width + 2 * E])
     if feed is not None: apply_feed(small[0], feed)
 
 # %% ../nbs/09_cuda_graphs.ipynb #5343976d
@@ -117,6 +126,32 @@ def decode_forward(model: Qwen2ForCausalLM, kv_caches: list, small: torch.Tensor
     hidden = model(ids, positions, kv_caches, meta)                                      # [bucket, hidden]
     model.compute_logits(hidden, out=logits[:bucket])
 
+# %% ../nbs/09_cuda_graphs.ipynb #67699e8c
+class HeldTables:
+    "What each row of a persistent decode block-table buffer holds: a block manager's int64 table, and its first blocks."
+    def __init__(self, rows: int): self.arrays, self.num_blocks = [None] * rows, [0] * rows
+
+    def changes(self, arrays: list, num_blocks: list[int], stride: int, width: int):
+        """What rows holding `arrays`' first `num_blocks` lack: (whole rows' ids, their tables `width` wide as int64
+        bytes, single entries' flat indices, their block ids, the update to `commit` once sent)."""
+        n, held, held_n = len(arrays), self.arrays, self.num_blocks
+        same = list(map(operator.is_, arrays, held))           # (compared in C: most rows are what they were)
+        if num_blocks == held_n[:n] and all(same): return [], b"", [], [], None
+        changed = [j for j in range(n) if not same[j] or num_blocks[j] != held_n[j]]
+        rows, parts, where, ids, zero_row = [], [], [], [], bytes(8 * width)
+        for j in changed:
+            nb = num_blocks[j]
+            if same[j] and held_n[j] <= nb:                    # blocks it just took: single entries
+                where += range(j * stride + held_n[j], j * stride + nb); ids += arrays[j][held_n[j]:nb]
+            else:
+                rows.append(j); parts.append(arrays[j].tobytes()[:8 * nb]); parts.append(zero_row[8 * nb:])
+        return rows, b"".join(parts), where, ids, (changed, [arrays[j] for j in changed], [num_blocks[j] for j in changed])
+
+    def commit(self, update: tuple | None) -> None:
+        "The rows' entries are on their way to the device: remember what the rows hold now."
+        if update is None: return
+        for j, table, n in zip(*update): self.arrays[j], self.num_blocks[j] = table, n
+
 # %% ../nbs/09_cuda_graphs.ipynb #0b01303a
 class DecodeGraphs:
     "Decode-only steps replayed from CUDA graphs, one per batch bucket, over static input buffers."
@@ -130,6 +165,7 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // block_size)
         B = self.batch_sizes[-1]
         self.small, self.block_tables = decode_buffers(B, self.max_blocks, device)       # [4, B], [B, W]
+        self.held = HeldTables(B)                                                        # what block_tables' rows hold
         self.fp32_logits = fp32_logits
         self.logits = logits_buffer(model, B, device, fp32_logits)                         # [B, V]
         self.load_step_kernel = load_step_kernel and device.type == "cuda"   # loads and feed in one launch
@@ -152,16 +188,16 @@ class DecodeGraphs:
         "The bucket a decode batch runs in, or None when it must run eagerly."
         return pick_bucket(num_seqs, self.batch_sizes) if max_blocks <= self.max_blocks else None
 
-    def load(self, packed: torch.Tensor, bucket: int, width: int, feed=None) -> None:
-        "Copy a step's packed integers (4 rows of `bucket`, then `bucket x width` table entries) into the buffers."
-        load_decode_inputs(self.small, self.block_tables, packed, bucket, width, feed, self.load_step_kernel)
+    def load(self, packed: torch.Tensor, bucket: int, width: int, feed=None, kept: tuple | None = None) -> None:
+        "Copy a step's packed integers (4 rows of `bucket`, then its tables: dense, or `kept`'s changes) into the buffers."
+        load_decode_inputs(self.small, self.block_tables, packed, bucket, width, feed, self.load_step_kernel, kept)
 
     def run(self, packed: torch.Tensor, num_seqs: int, bucket: int, width: int, feed=None,
-            start=None) -> torch.Tensor:
+            start=None, kept: tuple | None = None) -> torch.Tensor:
         """Load a step and replay its bucket's graph (or run it, without capture); logits [num_seqs, vocab].
         `feed` (rows, samples, which; `apply_feed`) overwrites input tokens the host did not know yet; `start`,
         a CUDA event, is recorded once the inputs are loaded, just before the forward pass."""
-        self.load(packed, bucket, width, feed)
+        self.load(packed, bucket, width, feed, kept)
         if start is not None: start.record()
         if self.graphs: self.graphs[bucket].replay()
         else: self._forward(bucket)

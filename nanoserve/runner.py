@@ -47,6 +47,7 @@ class KernelConfig:
     fp32_logits: bool = False              # replayed steps' logits in fp32 (False: the model's dtype)
     load_step_kernel: bool = True          # replays: one kernel fills the static buffers
     sampler_graphs: bool = True            # replayed steps' sampler replays a CUDA graph too (False: eagerly)
+    persistent_block_tables: bool = True   # replays: block tables stay on the device; a step sends what changed
 
     def __post_init__(self):
         if self.attention_backend not in (None, "torch", "triton"):
@@ -124,6 +125,7 @@ class StepInputs:
     has_penalties: bool = False        # some row is penalised (its block rows and slots are read)
     has_min_p: bool = False
     graph_sampled: bool = False        # the sampler replays a graph (a replayed step with no logit bias)
+    kept_tables: tuple | None = None   # a replay over persistent tables: (whole rows, single entries) it carries
 
 # %% ../nbs/10_runner.ipynb #547ecfad
 def _block(rows: int, n: int, *columns) -> list:
@@ -175,12 +177,12 @@ def _with_sampling(layout: dict, ints, sampling, extras: SamplingExtras | None =
     scratch = getattr(extras, "scratch_slot", 0)
     fixed_ints, fixed_floats, plain = fixed.packed(rows)
     packed.frombytes(fixed_ints)                                             # top_k, seed
-    packed.extend(_block(rows, n, (offsets, 0), (getattr(extras, "penalty_slots", None) or [scratch] * n, scratch)))
+    packed.fromlist(_block(rows, n, (offsets, 0), (getattr(extras, "penalty_slots", None) or [scratch] * n, scratch)))
     floats = array.array("f", fixed_floats)                                  # temperature, top_p
     if penalties is None and min_ps is None: floats.frombytes(plain)
     else:
         pen = zip(*penalties) if penalties else ([0.0] * n, [0.0] * n, [1.0] * n)
-        floats.extend(_block(rows, n, (min_ps or [0.0] * n, 0.0), *((p, pad) for p, pad in zip(pen, (0.0, 0.0, 1.0)))))
+        floats.fromlist(_block(rows, n, (min_ps or [0.0] * n, 0.0), *((p, pad) for p, pad in zip(pen, (0.0, 0.0, 1.0)))))
     return StepInputs(ints=packed, floats=floats, num_step_ints=num_step_ints, num_sampled=n,
                       all_greedy=fixed.all_greedy, any_filter=fixed.any_filter, sample_rows=rows,
                       has_penalties=penalties is not None, has_min_p=min_ps is not None, **layout)
@@ -256,13 +258,19 @@ def decode_rows(step: Step) -> DecodeRows:
 
 
 def pack_graph_step(step: Step, sampling, bucket: int, width: int, extras: SamplingExtras | None = None,
-                    rows: int | None = None) -> StepInputs:
-    "A decode-only `step` padded to `bucket` rows of block tables `width` wide, in the static buffers' layout."
+                    rows: int | None = None, kept: tuple | None = None) -> StepInputs:
+    """A decode-only `step` padded to `bucket` rows of block tables `width` wide, in the static buffers' layout;
+    with `kept` (`HeldTables.changes`: what tables kept on the device lack), those changes instead of the tables."""
     d = decode_rows(step)
     n, pad = len(d), bucket - len(d)
     zeros = [0] * pad
     ints = d.token_ids + zeros + d.positions + zeros + d.slots + [-1] * pad + [p + 1 for p in d.positions] + [1] * pad
     packed = array.array("q", ints)
+    if kept is not None:
+        row_ids, dense, where, ids = kept[:4]
+        packed.fromlist(row_ids); packed.frombytes(dense); packed.fromlist(where); packed.fromlist(ids)
+        return _with_sampling(dict(bucket=bucket, num_seqs=n, width=width, kept_tables=(len(row_ids), len(where))),
+                              packed, sampling, extras, rows)
     zero_row, parts = bytes(8 * width), []
     for table, num_blocks in zip(d.table_arrays, d.num_blocks):    # (a table may have grown since: its first blocks)
         parts.append(table.tobytes()[:8 * num_blocks]); parts.append(zero_row[8 * num_blocks:])
@@ -445,6 +453,7 @@ class RunnerSetup:
         self.num_penalty_slots = num_penalty_slots   # slot `num_penalty_slots` is the scratch slot
         self.penalty_counts = None         # [num_penalty_slots + 1, V] fp32, made on the first penalised step
         self.sampler_graphs = None         # a `SamplerGraphs` once graphs are captured
+        self._table_update = None          # the persistent tables' update of the step packed last (`_table_entries`)
 
     @property
     def num_h2d_copies(self) -> int: return self.staging.num_copies
@@ -584,12 +593,12 @@ class RunnerHost(RunnerGraphs):
              extras: SamplingExtras | None = None) -> StepInputs:
         """The host side of `step`: `sampling` holds (temperature, top_p, top_k, seed, offset) per sampled row;
         `extras`, what some rows ask beyond that (a step that scores prompt rows runs eagerly)."""
-        eager, rows = extras is not None and extras.forces_eager, None
+        eager, rows, self._table_update = extras is not None and extras.forces_eager, None, None
         if not eager and (replay := self.graph_bucket(step)):
             bucket, max_blocks = replay
             width = min(_pow2(max_blocks), self.graphs.max_blocks)    # the longest block table, rounded up
             rows = self._graph_rows(len(sampling_rows(sampling)[0]), extras)
-            x = pack_graph_step(step, sampling, bucket, width, extras, rows)
+            x = pack_graph_step(step, sampling, bucket, width, extras, rows, self._table_entries(step, width))
         elif not eager and (mixed := self.mixed_bucket(step)):
             bucket, max_blocks = mixed
             width = min(_pow2(max_blocks), self.mixed_graphs.max_blocks)
@@ -600,6 +609,14 @@ class RunnerHost(RunnerGraphs):
         x = add_extras(add_feeds(x, step), extras)
         if rows is not None: x.graph_sampled, x.num_logprobs = True, _graph_k(x.num_logprobs)
         return x
+
+    def _table_entries(self, step: Step, width: int) -> tuple | None:
+        "What the graphs' persistent block tables lack for `step` (None: tables off); committed once launched."
+        if not self.kernels.persistent_block_tables: return None
+        d = decode_rows(step)
+        kept = self.graphs.held.changes(d.table_arrays, d.num_blocks, self.graphs.max_blocks, width)
+        self._table_update = kept[4]
+        return kept
 
     def _graph_rows(self, n: int, extras: SamplingExtras | None) -> int | None:
         "The rows of a replayed step's sampler graph; None (sample eagerly): no sampler graphs, or a logit bias."
@@ -631,7 +648,11 @@ class RunnerDevice(RunnerHost):
         "Queue the forward pass: (the sampled rows' logits [S, V] or None, the prompt rows' logprobs or None)."
         n, k = x.num_sampled, x.num_step_ints
         if x.bucket is not None:                 # every row of a decode-only step is sampled, in order
-            return self.graphs.run(dev_i[:k], x.num_seqs, x.bucket, x.width, feed=feed, start=start), None
+            logits = self.graphs.run(dev_i[:k], x.num_seqs, x.bucket, x.width, feed=feed, start=start,
+                                     kept=x.kept_tables)
+            if x.kept_tables is not None: self.graphs.held.commit(self._table_update)   # (the packing rank's own)
+            self._table_update = None
+            return logits, None
         if x.mixed_bucket is not None:           # the sampled rows' logits come first, in order
             logits = self.mixed_graphs.run(dev_i[:k], x.mixed_bucket, x.num_seqs, x.width, feed=feed, start=start)
             return (logits[:n] if n else None), None

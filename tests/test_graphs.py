@@ -7,7 +7,7 @@ import torch
 
 from nanoserve.attention import paged_attention
 from nanoserve.engine import LLM, SamplingParams
-from nanoserve.graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, graph_token_sizes, pick_bucket
+from nanoserve.graphs import DecodeGraphs, HeldTables, MixedGraphs, graph_batch_sizes, graph_token_sizes, pick_bucket
 from nanoserve.scheduler import Step
 from nanoserve.tokenizer import ensure_default_model
 
@@ -138,10 +138,29 @@ def test_one_launch_load_gives_the_eager_tokens(monkeypatch):
     assert len(calls) == replays > 10 and any(calls)          # every replay loaded by it, some with a feed
 
 
+def test_tables_kept_on_the_device_give_the_eager_tokens(monkeypatch):
+    """Block tables kept in the static buffer (`HeldTables`, the default) as sequences join, leave, take blocks and
+    are preempted (8 blocks for 7 requests): the eager tokens, with whole rows, single entries and empty changes all
+    sent; and the dense tables (the control) give the same."""
+    sent, changes = [], HeldTables.changes
+    def counting(self, *a):
+        out = changes(self, *a)
+        sent.append((len(out[0]), len(out[2])))
+        return out
+    monkeypatch.setattr(HeldTables, "changes", counting)
+    kept, _ = _tokens(True)
+    assert kept == _eager_tokens(0.0)
+    assert any(r for r, _ in sent) and any(e for _, e in sent) and (0, 0) in sent
+    sent.clear()
+    dense, _ = _tokens(True, persistent_block_tables=False)
+    assert dense == kept and not sent
+
+
 def test_graph_step_packs_decode_columns_as_scheduled_seqs():
     """The scheduler hands decodes over as columns (`DecodeRows`, block tables as int64 arrays); a step packed from
     them equals the same step built by hand from `ScheduledSeq`s, padding rows and all; tables of different lengths."""
-    llm = LLM(TINY, dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
+    llm = LLM(TINY, dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
+              persistent_block_tables=False)                          # the dense tables, written out below
     for i, n in enumerate((5, 40, 17)):                               # 1, 3 and 2 blocks of 16
         llm.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     for _ in range(3): llm.step()                                     # prefill and two decodes, run eagerly

@@ -58,10 +58,12 @@ for norm in (False, True):          # the 0.5B QKV (one 1024-wide K tile) and ga
                                                             HAS_RESIDUAL=norm, ROW=1024, PDL=True, **blocks), warps)
         out[f"gemv {layer} norm={norm}"] = {"st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
                                             "sqrt": ptx.count("sqrt.")}
-ptx = compile_ptx(F.load_step_kernel, {n: "*i64" for n in ("packed_ptr", "small_ptr", "tables_ptr", "feed_rows_ptr",
-                                                          "samples_ptr", "which_ptr")},
-                  {n: "i32" for n in ("bucket", "width", "stride_small", "stride_tables", "num_feeds")}, dict(BLOCK=256))
-out["load_step"] = {"st": ptx.count("st.global"), "bar": ptx.count("bar.sync")}
+for kept in (False, True):               # dense table rows, or the changes of tables kept on the device
+    ptx = compile_ptx(F.load_step_kernel, {n: "*i64" for n in ("packed_ptr", "small_ptr", "tables_ptr", "feed_rows_ptr",
+                                                              "samples_ptr", "which_ptr")},
+                      {n: "i32" for n in ("bucket", "width", "stride_small", "stride_tables", "num_feeds", "num_rows",
+                                          "num_entries")}, dict(BLOCK=256, KEPT=kept))
+    out[f"load_step kept={kept}"] = {"st": ptx.count("st.global"), "bar": ptx.count("bar.sync")}
 print(json.dumps(out))
 """
 
@@ -83,7 +85,8 @@ def test_step_kernels_compile_for_hopper(k):
     assert folded["rsqrt"] > unfolded["rsqrt"] and folded["ld"] > unfolded["ld"]       # a root, the weights loaded
     assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
     assert k["copy_rows"]["st"] >= 1
-    assert k["load_step"]["st"] >= 3 and k["load_step"]["bar"] >= 1      # integers, feed, table rows; the barrier
+    for kept in (False, True):                          # integers, feed, table rows (and entries); the barrier
+        assert k[f"load_step kept={kept}"]["st"] >= 3 + kept and k[f"load_step kept={kept}"]["bar"] >= 1
 
 
 def test_gemv_with_norm_compiles_for_hopper(k):
