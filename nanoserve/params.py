@@ -122,25 +122,29 @@ class TokenLogprob:
 
 # %% ../nbs/11a_params.ipynb #5c71ab57
 class LogprobRows(SequenceABC):
-    "A choice's `TokenLogprob`s, kept as the device's rows and made when read; `view()` is a fixed-length snapshot."
-    __slots__ = ("k", "_ids", "_rows", "_n")          # a report makes one a step per choice
+    "A choice's `TokenLogprob`s, kept as the device's rows in one flat array and made when read; `view()` is a snapshot."
+    __slots__ = ("k", "_ids", "_starts", "_values", "_n")          # a report makes one a step per choice
 
-    def __init__(self, k: int, token_ids: list | None = None, rows: list | None = None, n: int | None = None):
-        self.k, self._ids, self._rows = k, [] if token_ids is None else token_ids, [] if rows is None else rows
-        self._n = n
+    def __init__(self, k: int, token_ids: list | None = None, starts: list | None = None, values=None,
+                 n: int | None = None):
+        self.k, self._ids = k, [] if token_ids is None else token_ids
+        self._starts = [0] if starts is None else starts           # row i is values[starts[i]:starts[i + 1]]
+        self._values, self._n = array.array("d") if values is None else values, n
 
-    def __len__(self) -> int: return len(self._rows) if self._n is None else self._n
+    def __len__(self) -> int: return len(self._ids) if self._n is None else self._n
 
     def __getitem__(self, i):
         n = len(self)
         if isinstance(i, slice): return [self[j] for j in range(*i.indices(n))]
         if not -n <= i < n: raise IndexError(f"logprob {i} of {n}")
-        row = self._rows[i % n]
+        i %= n
+        row = self._values[self._starts[i]:self._starts[i + 1]]
         K = (len(row) - 2) // 2                                   # the step's k (at least this choice's)
-        return TokenLogprob(self._ids[i % n], row[0], int(row[1]), [(int(row[2 + K + j]), row[2 + j]) for j in range(min(self.k, K))])
+        return TokenLogprob(self._ids[i], row[0], int(row[1]), [(int(row[2 + K + j]), row[2 + j]) for j in range(min(self.k, K))])
 
-    def append(self, token_id: int, row: list) -> None: self._ids.append(token_id); self._rows.append(row)
-    def view(self) -> LogprobRows: return LogprobRows(self.k, self._ids, self._rows, len(self._rows))
+    def append(self, token_id: int, row: list[float]) -> None:
+        self._ids.append(token_id); self._values.fromlist(row); self._starts.append(len(self._values))
+    def view(self) -> LogprobRows: return LogprobRows(self.k, self._ids, self._starts, self._values, len(self._ids))
     def __eq__(self, other) -> bool: return isinstance(other, SequenceABC) and list(self) == list(other)
     def __repr__(self) -> str: return f"LogprobRows({list(self)!r})"
 
