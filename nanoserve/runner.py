@@ -127,7 +127,7 @@ class StepInputs:
     graph_sampled: bool = False        # the sampler replays a graph (a replayed step with no logit bias)
     kept_tables: tuple | None = None   # a replay over persistent tables: (whole rows, single entries) it carries
 
-# %% ../nbs/10_runner.ipynb #547ecfad
+# %% ../nbs/10_runner.ipynb #fcb011e7
 def _block(rows: int, n: int, *columns) -> list:
     "Rows of the sampling block: each column's `n` values, then its padding value up to `rows`."
     out = []
@@ -135,6 +135,7 @@ def _block(rows: int, n: int, *columns) -> list:
     return out
 
 
+# %% ../nbs/10_runner.ipynb #dcfcbcf3
 class SamplingRows:
     """The sampled rows' fixed parameters as columns (temperature, top_p, top_k, seed), with their packed bytes made
     once per block size: an engine keeps one while its batch is unchanged, so a step packs only the offsets."""
@@ -158,6 +159,7 @@ class SamplingRows:
         return self._packed[rows]
 
 
+# %% ../nbs/10_runner.ipynb #f4a949fc
 def sampling_rows(sampling) -> tuple[SamplingRows, list[int]]:
     "(fixed columns, offsets) of `sampling`: a list of (temperature, top_p, top_k, seed, offset) rows, or that pair."
     if isinstance(sampling, tuple): return sampling

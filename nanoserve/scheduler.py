@@ -427,7 +427,14 @@ def admit_waiting(sched: SchedulerMoves, scheduled: list, preempted: list, budge
             n = min(seq.num_uncomputed_tokens, budget)
             if n: scheduled.append(seq_chunk(bm, seq, n)); budget -= n
 
-# %% ../nbs/01_scheduler.ipynb #e2aaf115
+# %% ../nbs/01_scheduler.ipynb #2a41d896
+def _leave_at_length(sched: SchedulerMoves, seq: Sequence) -> None:
+    "`seq` reached max_tokens in a launched step: it leaves the batch now, done once that step resolves."
+    sched.running.remove(seq)
+    sched.block_manager.free(seq.seq_id)
+    sched.finishing.append(seq)
+
+# %% ../nbs/01_scheduler.ipynb #2f80f57f
 def _advance_decodes(sched: SchedulerMoves, d: DecodeRows, advanced: list) -> None:
     "`advance_seqs` for a step's decode columns: one computed token each, and a placeholder for its sample."
     bs, get_seq, running = sched.block_manager.block_size, sched.seqs.get, SequenceStatus.RUNNING
@@ -445,12 +452,6 @@ def _advance_decodes(sched: SchedulerMoves, d: DecodeRows, advanced: list) -> No
         advanced[-1] = seq
         if len(out) >= seq.max_tokens: _leave_at_length(sched, seq)
 
-
-def _leave_at_length(sched: SchedulerMoves, seq: Sequence) -> None:
-    "`seq` reached max_tokens in a launched step: it leaves the batch now, done once that step resolves."
-    sched.running.remove(seq)
-    sched.block_manager.free(seq.seq_id)
-    sched.finishing.append(seq)
 
 # %% ../nbs/01_scheduler.ipynb #7592447a
 def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
