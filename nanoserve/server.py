@@ -5,11 +5,12 @@
 # %% ../nbs/17_server.ipynb #906100fd
 from __future__ import annotations
 
-import argparse, asyncio, codecs, contextlib, difflib, hmac, ipaddress, json, os
-import queue, re, socket, sys, threading, time, uuid
+import argparse, asyncio, codecs, contextlib, difflib, hmac, ipaddress, json, multiprocessing, os
+import queue, re, signal, socket, sys, threading, time, uuid
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Literal
 
 import uvicorn
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from .engine import LLM, RequestOutput, SamplingParams
-from .structured import StructuredOutputs, ToolCallStream, parse_tool_calls, tool_call_outputs
+from .structured import GrammarCompiler, StructuredOutputs, ToolCallStream, parse_tool_calls, tool_call_outputs
 from .tokenizer import load_tokenizer
 
 # %% auto #0
@@ -31,11 +32,13 @@ __all__ = ['JsonInt', 'NonEmptyStr', 'TokenId', 'Bias', 'BiasKey', 'IGNORED', 'A
            'JsonSchemaFormat', 'ResponseFormat', 'StructuredOutputsField', 'CompletionRequest', 'TextPart',
            'ToolCallFunction', 'ToolCall', 'ChatMessage', 'FunctionDef', 'Tool', 'NamedToolChoice',
            'ChatCompletionRequest', 'describe_validation_error', 'Histogram', 'ServerMetrics', 'render_metrics',
-           'RequestStream', 'EngineThread', 'find_surrogate', 'refuse_unsupported', 'parse_logit_bias',
+           'RequestStream', 'take_commands', 'run_engine', 'EngineInfo', 'engine_info', 'EngineThread', 'StreamRef',
+           'wire_output', 'EngineProcess', 'find_surrogate', 'refuse_unsupported', 'parse_logit_bias',
            'sampling_fields', 'chat_conversation', 'tool_mode', 'structured_spec', 'check_room', 'TokenText',
            'completion_logprobs', 'chat_logprobs', 'OpenAIServing', 'usage', 'sse', 'ResponseShaper', 'AnswerOptions',
            'Answer', 'generate_response', 'ErrorDetail', 'ErrorResponse', 'build_app', 'GracefulServer', 'ServerThread',
-           'build_parser', 'check_serve_args', 'exposure_warning', 'bind_socket', 'engine_from_args', 'main']
+           'build_parser', 'check_serve_args', 'exposure_warning', 'bind_socket', 'engine_kwargs', 'engine_from_args',
+           'main']
 
 # %% ../nbs/17_server.ipynb #1bc0742b
 def _printable(s: str | None) -> str | None:
@@ -51,6 +54,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, _printable(message), _printable(param), code
         self.headers = headers or {}
+
+    def __reduce__(self):        # it crosses from the engine's process: rebuilt from its fields
+        return APIError, (self.status, self.message, self.param, self.code, self.headers)
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -443,39 +449,63 @@ def _step(llm: LLM, rid_of: dict, stream_of: dict, batch: list, reasons: list[st
     return outputs
 
 # %% ../nbs/17_server.ipynb #18404723
-def _fail_everyone(llm: LLM, rid_of: dict, stream_of: dict, inbox: queue.SimpleQueue, e: BaseException) -> list:
-    "The engine thread died of `e`: every request it held, and every one still in its inbox, gets an error."
+def _fail_everyone(llm: LLM, rid_of: dict, stream_of: dict, pending: list, e: BaseException) -> list:
+    "The engine died of `e`: every request it held, and every one among the `pending` commands, gets an error."
     batch = _end_all(llm, rid_of, stream_of, lambda rid: APIError(500, f"the engine stopped: {type(e).__name__}: {e}"))
+    return batch + [(c[1], APIError(503, "the engine is not running")) for c in pending if c[0] == "add"]
+
+# %% ../nbs/17_server.ipynb #eeda8174
+def take_commands(inbox: queue.SimpleQueue, block: bool) -> list:
+    "Every command waiting in `inbox`; with `block`, wait for the first (an idle engine costs no CPU)."
+    commands = [inbox.get()] if block else []
     with contextlib.suppress(queue.Empty):
-        while True:
-            command = inbox.get_nowait()
-            if command[0] == "add": batch.append((command[1], APIError(503, "the engine is not running")))
-    return batch
+        while True: commands.append(inbox.get_nowait())
+    return commands
+
+# %% ../nbs/17_server.ipynb #2bbeaa12
+def run_engine(llm: LLM, metrics: ServerMetrics, inbox: queue.SimpleQueue, send) -> None:
+    "The engine's loop, on the thread or process that owns `llm`: commands from `inbox`, (stream, item) pairs to `send`."
+    rid_of, stream_of, stopping = {}, {}, False       # stream -> request id, request id -> stream
+    try:
+        while not stopping:
+            commands = take_commands(inbox, block=not llm.has_unfinished_requests())
+            batch, new_prompt_tokens, reasons, stopping = _apply_commands(llm, commands, rid_of, stream_of)
+            run_step = llm.has_unfinished_requests() and not stopping
+            outputs = _step(llm, rid_of, stream_of, batch, reasons) if run_step else []
+            metrics.update(llm, new_prompt_tokens, outputs, reasons)
+            if batch: send(batch)
+    except BaseException as e:                        # a bug: fail everyone rather than hang them
+        send(_fail_everyone(llm, rid_of, stream_of, take_commands(inbox, block=False), e))
+        raise
 
 # %% ../nbs/17_server.ipynb #d32a20f9
-class _EngineState:
-    "What the engine thread and the event loop share: the `LLM`, the inbox, the live streams, the metrics."
+@dataclass(frozen=True)
+class EngineInfo:
+    "What the server's side needs to know of its engine, wherever the engine runs."
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    max_num_seqs: int                                 # sequences it runs at once
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict = field(default_factory=dict)   # sampling values for requests that omit them
 
-    def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_waiting: int = 4096):
-        self.llm, self.max_waiting = llm, max_waiting
-        self.capacity = llm.scheduler_config.max_num_seqs   # sequences the engine runs at once
-        self.metrics = metrics or ServerMetrics(llm.num_kv_blocks)
+
+def engine_info(llm: LLM) -> EngineInfo:
+    return EngineInfo(llm.model_dir, llm.max_model_len, llm.config.vocab_size, llm.num_kv_blocks,
+                      llm.scheduler_config.max_num_seqs, tuple(sorted(llm.eos_token_ids)), dict(llm.generation_defaults))
+
+# %% ../nbs/17_server.ipynb #c17f0a15
+class _EngineState:
+    "What the server's side keeps of any engine: the live streams, their sequences (the 503 count), delivery."
+
+    def __init__(self, capacity: int, max_waiting: int = 4096):
+        self.capacity, self.max_waiting = capacity, max_waiting   # sequences run at once; waiting beyond them
         self.closing = False                           # set when shutdown begins: no new requests
-        self.error: BaseException | None = None        # why the thread died, if it did
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: set[RequestStream] = set()         # event loop side: submitted and not done
+        self.error: BaseException | None = None        # why the engine died, if it did
+        self._live: set[RequestStream] = set()         # submitted and not done
         self._num_live_seqs = 0                        # their sequences
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        "Start the thread; outputs will be delivered on `loop` (default: the running one)."
-        self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool: return self._thread is not None and self._thread.is_alive()
 
     @property
     def num_live(self) -> int: return len(self._live)
@@ -490,41 +520,14 @@ class _EngineState:
             self._live.discard(stream)
             self._num_live_seqs -= stream.num_seqs
 
-# %% ../nbs/17_server.ipynb #c17f0a15
-class _EngineLoop(_EngineState):
-    "The engine thread's side of `EngineThread`: the loop that owns the `LLM`, and delivery onto the event loop."
-
-    def _run(self) -> None:
-        llm, rid_of, stream_of = self.llm, {}, {}        # stream -> request id, request id -> stream
-        stopping = False
-        try:
-            while not stopping:
-                commands = [] if llm.has_unfinished_requests() else [self._inbox.get()]
-                with contextlib.suppress(queue.Empty):
-                    while True: commands.append(self._inbox.get_nowait())
-                batch, new_prompt_tokens, reasons, stopping = _apply_commands(llm, commands, rid_of, stream_of)
-                run_step = llm.has_unfinished_requests() and not stopping
-                outputs = _step(llm, rid_of, stream_of, batch, reasons) if run_step else []
-                self.metrics.update(llm, new_prompt_tokens, outputs, reasons)
-                self._send(batch)
-        except BaseException as e:                         # a bug: fail everyone rather than hang them
-            self.error = e
-            self._send(_fail_everyone(llm, rid_of, stream_of, self._inbox, e))
-            raise
-
     def _deliver(self, batch: list) -> None:           # on the event loop
         for stream, item in batch:
             if item is not None: stream.queue.put_nowait((stream, item))
             if isinstance(item, BaseException) or getattr(item, "request_finished", False): self._forget(stream)
 
-    def _send(self, batch: list) -> None:
-        if batch:
-            with contextlib.suppress(RuntimeError):       # the event loop is already closed
-                self._loop.call_soon_threadsafe(self._deliver, batch)
-
-# %% ../nbs/17_server.ipynb #d2955252
-class EngineThread(_EngineLoop):
-    "Owns an `LLM` on one background thread; the event loop talks to it only through queues."
+# %% ../nbs/17_server.ipynb #7cbfb61c
+class _EngineFront(_EngineState):
+    "The event loop's calls on an engine, wherever it runs; `_put` hands it a command."
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
         "Queue validated prompts (one HTTP request); `APIError` 503 when shutting down or too many would wait."
@@ -540,15 +543,15 @@ class EngineThread(_EngineLoop):
         for stream, ids in zip(streams, prompts):
             self._live.add(stream)
             self._num_live_seqs += num_seqs
-            self._inbox.put(("add", stream, ids, params))
+            self._put(("add", stream, ids, params))
         return streams
 
     def abort(self, stream: RequestStream) -> None:
-        "Stop `stream`'s request (its blocks are freed on the engine thread's next loop); idempotent."
+        "Stop `stream`'s request (its blocks are freed on the engine's next loop); idempotent."
         self._forget(stream)
         if not stream.done:
             stream.done = True
-            self._inbox.put(("abort", stream))
+            self._put(("abort", stream))
 
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         "(prompt number, output) for `streams` (from one `submit`) as they are made; leaving early aborts them all."
@@ -571,9 +574,46 @@ class EngineThread(_EngineLoop):
         deadline = time.monotonic() + grace
         while self._live and time.monotonic() < deadline: await asyncio.sleep(0.02)
         if self._live and self.alive:
-            self._inbox.put(("abort_all",))
+            self._put(("abort_all",))
             deadline = time.monotonic() + 5
             while self._live and time.monotonic() < deadline: await asyncio.sleep(0.02)
+
+# %% ../nbs/17_server.ipynb #d2955252
+class EngineThread(_EngineFront):
+    "Owns an `LLM` on one background thread of the server's process; the event loop talks to it through queues."
+
+    def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_waiting: int = 4096):
+        super().__init__(llm.scheduler_config.max_num_seqs, max_waiting)
+        self.llm, self.metrics = llm, metrics or ServerMetrics(llm.num_kv_blocks)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def info(self) -> EngineInfo: return engine_info(self.llm)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler: return self.llm.grammar_compiler
+
+    @property
+    def alive(self) -> bool: return self._thread is not None and self._thread.is_alive()
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        "Start the thread; outputs will be delivered on `loop` (default: the running one)."
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try: run_engine(self.llm, self.metrics, self._inbox, self._send)
+        except BaseException as e: self.error = e; raise
+
+    def _send(self, batch: list) -> None:
+        with contextlib.suppress(RuntimeError):       # the event loop is already closed
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _put(self, command: tuple) -> None: self._inbox.put(command)
+
+    async def render_metrics(self) -> str: return self.metrics.render()
 
     async def stop(self) -> None:
         "End the thread (unfinished requests are aborted) and wait for it."
@@ -581,6 +621,158 @@ class EngineThread(_EngineLoop):
         if self._thread is None: return
         self._inbox.put(("stop",))
         await asyncio.to_thread(self._thread.join, 30)
+
+    def close(self) -> None: self.llm.close()        # tensor-parallel workers stop with it
+
+# %% ../nbs/17_server.ipynb #c1414520
+@dataclass(frozen=True)
+class StreamRef:
+    "A stream as the engine's process knows it: its number (which is what compares) and when it was submitted."
+    id: int
+    arrival_time: float = field(default=0.0, compare=False)   # perf_counter: one clock for every process of a machine
+
+# %% ../nbs/17_server.ipynb #54bcf4da
+def wire_output(out: RequestOutput) -> RequestOutput:
+    "What of a report crosses to the server's process: this step's tokens, text and logprobs, not the whole so far."
+    slim, num_new = out.snapshot(), len(out.new_token_ids)
+    slim.prompt, slim.prompt_token_ids, slim.token_ids, slim.text = None, [], [], ""
+    if out.logprobs is not None: slim.logprobs = list(out.logprobs[-num_new:]) if num_new else []
+    if len(out.token_ids) != num_new: slim.prompt_logprobs = None     # sent with the choice's first report only
+    return slim
+
+# %% ../nbs/17_server.ipynb #f60c0b99
+def _read_commands(conn, inbox: queue.SimpleQueue, metrics: ServerMetrics, send) -> None:
+    "The engine process's reader: commands into `inbox`, metrics answered at once; the server gone means stop."
+    try:
+        while True:
+            command = conn.recv()
+            if command[0] == "metrics": send(("metrics", metrics.render()))
+            else: inbox.put(command)
+    except (EOFError, OSError):
+        inbox.put(("stop",))
+
+# %% ../nbs/17_server.ipynb #0377d14e
+def _serve_engine(conn, llm_kwargs: dict) -> None:
+    "The engine's process: build the `LLM`, say so (or why not), then run the engine's loop on what the server sends."
+    for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)   # the server decides when it ends
+    try: llm = LLM(**llm_kwargs)
+    except Exception as e:
+        conn.send(("failed", type(e).__name__, str(e))); return
+    sending, inbox, metrics = threading.Lock(), queue.SimpleQueue(), ServerMetrics(llm.num_kv_blocks)
+    def send(message):
+        with sending: conn.send(message)
+    def send_batch(batch):
+        send(("out", [(ref.id, wire_output(x) if isinstance(x, RequestOutput) else x) for ref, x in batch]))
+    threading.Thread(target=_read_commands, args=(conn, inbox, metrics, send), daemon=True).start()
+    send(("ready", engine_info(llm)))
+    try: run_engine(llm, metrics, inbox, send_batch)
+    finally: llm.close()
+
+# %% ../nbs/17_server.ipynb #e912575c
+class _EngineProcessStart(_EngineFront):
+    "Starting and ending `EngineProcess`'s child: spawn, wait until ready, close."
+
+    def __init__(self, llm_kwargs: dict, max_waiting: int = 4096, start_timeout: float = 900.0):
+        context = multiprocessing.get_context("spawn")             # CUDA does not survive a fork
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_engine, args=(child, llm_kwargs), name="nanoserve-engine")
+        self._process.start()
+        child.close()
+        self.info: EngineInfo = self._ready(start_timeout)
+        super().__init__(self.info.max_num_seqs, max_waiting)
+
+    def _ready(self, timeout: float) -> EngineInfo:
+        message = ("failed", "TimeoutError", f"the engine's process was not ready in {timeout:.0f} s")
+        if self._conn.poll(timeout):
+            with contextlib.suppress(EOFError):
+                message = ("failed", "RuntimeError", "the engine's process ended before it was ready")
+                message = self._conn.recv()
+        if message[0] == "ready": return message[1]
+        self.close()
+        raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(message[1], RuntimeError)(message[2])
+
+    def close(self) -> None:
+        "End the child at once if it still runs (after `stop`, it has ended already)."
+        if self._process.is_alive(): self._process.terminate()
+        self._process.join(30)
+        self._conn.close()
+
+# %% ../nbs/17_server.ipynb #f6474317
+class _EngineProcessPipe(_EngineProcessStart):
+    "`EngineProcess`'s side of the pipe: streams sent by number, messages delivered as they come."
+
+    def _put(self, command: tuple) -> None:
+        if len(command) > 1:                     # its stream, by number
+            stream = command[1]
+            if stream not in self._refs:
+                self._next_id = getattr(self, "_next_id", 0) + 1
+                self._refs[stream] = StreamRef(self._next_id, stream.arrival_time)
+                self._by_id[self._next_id] = stream
+            command = (command[0], self._refs[stream], *command[2:])
+        with contextlib.suppress(OSError): self._conn.send(command)     # gone: `_receive` tells the streams
+
+    def abort(self, stream: RequestStream) -> None:
+        super().abort(stream)
+        self._refs.pop(stream, None)
+
+    def _forget(self, stream: RequestStream) -> None:
+        super()._forget(stream)
+        if stream in self._refs: self._by_id.pop(self._refs[stream].id, None)
+
+    def _receive(self) -> None:
+        "On the event loop, when the pipe can be read: deliver each message; the pipe's end fails every live stream."
+        try:
+            while self._conn.poll():
+                kind, body = self._conn.recv()
+                if kind == "out": self._deliver([(self._by_id[i], item) for i, item in body if i in self._by_id])
+                elif kind == "metrics" and not (wanted := self._metrics_wanted.pop(0)).done(): wanted.set_result(body)
+        except (EOFError, OSError):
+            self._lost()
+
+    def _lost(self) -> None:
+        self._loop.remove_reader(self._conn.fileno())
+        self._process.join(10)
+        self.error = RuntimeError(f"the engine process ended (exit code {self._process.exitcode})")
+        self._deliver([(s, APIError(500, f"the engine stopped: {self.error}")) for s in list(self._live)])
+        for wanted in self._metrics_wanted:
+            if not wanted.done(): wanted.set_exception(APIError(503, "the engine is not running", code="unavailable"))
+        self._conn.close()
+
+# %% ../nbs/17_server.ipynb #821b2957
+class EngineProcess(_EngineProcessPipe):
+    "Owns an `LLM` in a process of its own; the server's process keeps HTTP, tokenization and the streams."
+    _grammars: GrammarCompiler | None = None
+
+    @property
+    def alive(self) -> bool: return self._process.is_alive() and not self._conn.closed
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        "Deliver outputs on `loop` (default: the running one), read from the pipe when it has some."
+        self._loop = loop or asyncio.get_running_loop()
+        self._refs, self._by_id, self._metrics_wanted = {}, {}, []
+        self._loop.add_reader(self._conn.fileno(), self._receive)
+
+    async def render_metrics(self) -> str:
+        "`/metrics`, as the engine's process renders it."
+        if not self.alive: raise APIError(503, "the engine is not running", code="unavailable")
+        wanted = self._loop.create_future()
+        self._metrics_wanted.append(wanted)
+        self._put(("metrics",))
+        return await asyncio.wait_for(wanted, 30)
+
+    async def stop(self) -> None:
+        "End the engine's process (unfinished requests are aborted) and wait for it."
+        self.closing = True
+        if self.alive: self._put(("stop",))
+        await asyncio.to_thread(self._process.join, 30)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        "Structured outputs are checked here before they are sent (the engine's process compiles its own, cached there)."
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(load_tokenizer(self.info.model_dir), self.info.vocab_size,
+                                             eos_token_ids=list(self.info.eos_token_ids))
+        return self._grammars
 
 # %% ../nbs/17_server.ipynb #5134c9d8
 _REFUSED = (    # (field, what to say when it is set): OpenAI fields this server does not do
@@ -791,12 +983,13 @@ def chat_logprobs(tt: TokenText, entries: list, k: int) -> dict:
 
 # %% ../nbs/17_server.ipynb #c3cf564a
 class OpenAIServing:
-    "What the routes share: the engine thread, the model's name and limits, the event loop's own tokenizer."
+    "What the routes share: the engine (thread or process), the model's name and limits, the event loop's own tokenizer."
 
-    def __init__(self, llm: LLM, engine: EngineThread, served_model_name: str | None = None):
-        self.llm, self.engine, self.model_name = llm, engine, served_model_name or llm.model_dir.name
-        self.max_model_len, self.vocab_size = llm.max_model_len, llm.model.config.vocab_size
-        self.tokenizer = load_tokenizer(llm.model_dir)
+    def __init__(self, engine: EngineThread | EngineProcess, served_model_name: str | None = None):
+        info = engine.info
+        self.engine, self.model_name, self.generation_defaults = engine, served_model_name or info.model_dir.name, info.generation_defaults
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.tokenizer = load_tokenizer(info.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
         self.token_text, self.created = TokenText(self.tokenizer), int(time.time())
 
@@ -827,7 +1020,7 @@ class OpenAIServing:
                         max_tokens_name: str, prompt_name: str, **more) -> SamplingParams:
         "The engine's parameters, after checking the longest prompt and `max_tokens` against the context."
         max_tokens = check_room(self.max_model_len, max(map(len, prompts)), max_tokens, max_tokens_name, prompt_name)
-        fields = sampling_fields(req, self.vocab_size, self.llm.generation_defaults) | more
+        fields = sampling_fields(req, self.vocab_size, self.generation_defaults) | more
         if fields["min_tokens"] > max_tokens:
             raise APIError(400, f"min_tokens ({fields['min_tokens']}) must be <= {max_tokens_name} ({max_tokens})",
                            param="min_tokens")
@@ -845,7 +1038,7 @@ class OpenAIServing:
         if asked is None: return None
         spec, param = asked
         try:
-            await asyncio.to_thread(self.llm.grammar_compiler.compile, spec)
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, spec)
         except ValueError as e:
             raise APIError(400, f"{param}: {e}", param=param)
         return spec
@@ -1218,7 +1411,7 @@ def _chat_route(app: FastAPI, serving: OpenAIServing) -> None:
         return await generate_response(serving, request, shaper, body.stream, [ids], params, options)
 
 # %% ../nbs/17_server.ipynb #a669e744
-def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread) -> None:
+def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread | EngineProcess) -> None:
     "`GET /v1/models`, `/v1/models/{id}`, `/health` and `/metrics`."
     def card() -> dict:
         return {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "nanoserve",
@@ -1237,21 +1430,22 @@ def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread) -> 
 
     @app.get("/health", responses={503: {"model": ErrorResponse, "description": "the engine is not running"}})
     async def health():
-        "200 while the engine thread runs and the server is not shutting down."
+        "200 while the engine runs and the server is not shutting down."
         if not engine.alive or engine.closing: raise APIError(503, "the engine is not running", code="unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         "Prometheus text format."
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await engine.render_metrics(), media_type="text/plain; version=0.0.4")
 
 # %% ../nbs/17_server.ipynb #7a269dc5
-def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = 4096, max_body_bytes: int = 1 << 20, body_timeout: float = 30.0) -> FastAPI:
-    "The OpenAI-compatible app over `llm`; its engine thread runs while the app is served."
-    engine = EngineThread(llm, ServerMetrics(llm.num_kv_blocks), max_waiting)
-    serving = OpenAIServing(llm, engine, served_model_name)
+def build_app(engine: LLM | EngineThread | EngineProcess, *, served_model_name: str | None = None,
+              api_key: str | None = None, max_waiting: int = 4096, max_body_bytes: int = 1 << 20,
+              body_timeout: float = 30.0) -> FastAPI:
+    "The OpenAI-compatible app over `engine` (an `LLM` gets a thread, `max_waiting` its queue); it runs while served."
+    engine = EngineThread(engine, max_waiting=max_waiting) if isinstance(engine, LLM) else engine
+    serving = OpenAIServing(engine, served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -1279,7 +1473,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 class GracefulServer(uvicorn.Server):
     "uvicorn's server that drains the engine (finish or abort every request) before it waits on connections."
 
-    def __init__(self, config: uvicorn.Config, engine: EngineThread, grace: float = 5.0, announce: bool = True):
+    def __init__(self, config: uvicorn.Config, engine: EngineThread | EngineProcess, grace: float = 5.0, announce: bool = True):
         super().__init__(config)
         self.engine, self.grace, self.announce = engine, grace, announce
         self.address: tuple[str, int] | None = None
@@ -1289,7 +1483,7 @@ class GracefulServer(uvicorn.Server):
         if self.servers and self.servers[0].sockets:
             self.address = self.servers[0].sockets[0].getsockname()[:2]
             if self.announce:
-                print(f"nanoserve: serving {self.engine.llm.model_dir.name} at http://{self.address[0]}:"
+                print(f"nanoserve: serving {self.engine.info.model_dir.name} at http://{self.address[0]}:"
                       f"{self.address[1]} (Ctrl+C to stop)", flush=True)
 
     async def shutdown(self, sockets=None) -> None:
@@ -1366,6 +1560,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request body may take to arrive; slower ones get 408 and are disconnected")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds running requests may finish at shutdown before they are aborted")
+    p.add_argument("--engine-in-thread", action="store_true", help="run the engine on a thread of the server's "
+                   "process, not in a process of its own (the control: HTTP then waits on the engine's Python)")
     _engine_args(p.add_argument_group("engine"))
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -1402,19 +1598,25 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 # %% ../nbs/17_server.ipynb #4baf64af
-def engine_from_args(args) -> LLM:
-    "The engine of a `serve` command line (freeze_gc: a server runs one engine for its whole life)."
-    return LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
-               seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-               mixed_step_graphs=not args.no_mixed_step_graphs, row_gemv=False if args.no_row_gemv else None,
-               pdl=False if args.no_pdl else None,
-               async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
-               show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-               quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
-               num_threads=args.threads, generation_config=args.generation_config)
+def engine_kwargs(args) -> dict:
+    "The `LLM` of a `serve` command line, as keyword arguments (freeze_gc: a server runs one engine for its whole life)."
+    return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
+                seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                mixed_step_graphs=not args.no_mixed_step_graphs, row_gemv=False if args.no_row_gemv else None,
+                pdl=False if args.no_pdl else None,
+                async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
+                show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+                quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
+                num_threads=args.threads, generation_config=args.generation_config)
+
+
+def engine_from_args(args) -> EngineThread | EngineProcess:
+    "The engine of a `serve` command line: in a process of its own, or (`--engine-in-thread`) on a thread of this one."
+    if args.engine_in_thread: return EngineThread(LLM(**engine_kwargs(args)), max_waiting=args.max_waiting)
+    return EngineProcess(engine_kwargs(args), max_waiting=args.max_waiting)
 
 # %% ../nbs/17_server.ipynb #c13808c3
 def main(argv: list[str] | None = None) -> int:
@@ -1430,10 +1632,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (warning := exposure_warning(args.host, api_key)): print(warning, file=sys.stderr)
     try:
-        llm = engine_from_args(args)
-        app = build_app(llm, served_model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
+        engine = engine_from_args(args)
+        app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         sock.close()
         print(f"nanoserve serve: error: {e}", file=sys.stderr)
         return 2
@@ -1445,7 +1647,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:      # uvicorn raises the Ctrl+C again once it has shut down cleanly
         pass
     finally:
-        llm.close()                # tensor-parallel workers stop with the server
+        engine.close()             # the engine's process, or tensor-parallel workers, stop with the server
     return 0 if server.started else 1
 
 
