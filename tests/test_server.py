@@ -8,7 +8,9 @@ Four servers, each shaped for its tests:
 - `fuzz_server`: no API key, a 128-token context so that everything schemathesis sends finishes in milliseconds.
 - `small_server` (started with the `nanoserve serve` console script, key from --api-key): one sequence at once
   and one waiting, for the full queue (503) and a shutdown with requests in flight.
-- `edge_server`: 4 sequences at once and 5 waiting (9 of 30 simultaneous requests taken), a 1 s body timeout.
+- `edge_server`: 4 sequences at once and 5 waiting (9 of 30 simultaneous requests taken), a 1 s body timeout, the
+  engine on a thread of the server's process (`--engine-in-thread`, the control); the other three run it in a
+  process of its own, the default.
 
 The server processes run torch on one thread (OMP_NUM_THREADS=1): the model is tiny, and the test process
 needs the second core for its clients.
@@ -559,7 +561,7 @@ def test_a_surrogate_is_a_400_and_the_connection_stays_usable(server):
 @pytest.fixture(scope="module")
 def edge_server(tmp_path_factory, env):
     s = start(tmp_path_factory, env, "edge", ["--served-model-name", "tiny", "--max-num-seqs", "4", "--max-waiting", "5",
-                                             "--body-timeout", "1"])
+                                             "--body-timeout", "1", "--engine-in-thread"])
     yield s
     assert s.stop() == 0, s.log.read_text()
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
@@ -612,6 +614,15 @@ def test_serve_on_a_busy_port_fails_before_loading_the_model(env, tmp_path):
     print(f"refused in {time.monotonic() - t0:.1f} s: {res.stderr.strip()}")
 
 
+def test_a_model_that_cannot_load_fails_before_serving_with_the_engine_process_error(env):
+    "The engine's process says why it could not load; the server exits 2 with that message, nothing left running."
+    nanoserve = str(Path(sys.executable).parent / "nanoserve")
+    res = subprocess.run([nanoserve, "serve", "--port", "0", "--model", "/no/such/model", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 2 and "nanoserve serve: error:" in res.stderr and "/no/such/model" in res.stderr, res.stderr
+    assert "serving" not in res.stdout, res.stdout
+
+
 # --- packaging -----------------------------------------------------------------------------------------------
 
 def test_the_package_imports_without_fastapi_and_serve_says_what_to_install():
@@ -653,13 +664,13 @@ def test_stream_chunks_carry_tokens_without_text():
 
 
 def test_serve_passes_the_scheduling_options_to_the_engine(monkeypatch):
-    "`--scheduling`, `--no-mixed-step-graphs`, `--no-row-gemv`, `--no-pdl` reach `LLM` (captured; the engine refuses to load)."
+    "`--scheduling`, `--no-mixed-step-graphs`, `--no-row-gemv`, `--no-pdl` reach the engine's process (captured; it refuses to load)."
     import nanoserve.server as server
     seen = []
-    def fake_llm(*args, **kw):
-        seen.append(kw)
+    def fake_engine(llm_kwargs, **kw):
+        seen.append(llm_kwargs)
         raise ValueError("not loading a model in this test")
-    monkeypatch.setattr(server, "LLM", fake_llm)
+    monkeypatch.setattr(server, "EngineProcess", fake_engine)
     assert server.main(["--scheduling", "sync", "--no-mixed-step-graphs", "--no-row-gemv", "--no-pdl", "--device", "cpu",
                         "--threads", "3", "--port", "0"]) == 2
     assert server.main(["--device", "cpu", "--port", "0"]) == 2
@@ -674,8 +685,8 @@ def test_serve_passes_the_scheduling_options_to_the_engine(monkeypatch):
 
 def test_serve_warns_when_listening_beyond_loopback_without_a_key(monkeypatch, capsys):
     import nanoserve.server as server
-    def fake_llm(*args, **kw): raise ValueError("not loading a model in this test")
-    monkeypatch.setattr(server, "LLM", fake_llm)
+    def fake_engine(*args, **kw): raise ValueError("not loading a model in this test")
+    monkeypatch.setattr(server, "EngineProcess", fake_engine)
     monkeypatch.delenv("NANOSERVE_API_KEY", raising=False)
     assert server.main(["--host", "0.0.0.0", "--port", "0", "--device", "cpu"]) == 2
     assert "warning: listening on 0.0.0.0 with no --api-key" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""Issue 28's serving path on the H200: the engine in a process of its own (`nanoserve serve`'s default) against
+the engine on a thread of the server's process (`--engine-in-thread`, the control), both against the engine alone.
+
+Run on the device machine from the repo root (fastapi and uvicorn installed):
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/serve_process_h200.py --out $OUT [--rounds 2]
+Writes serve_process_h200.json (raw summaries, git sha, GPU, versions, date, the command) to --out.
+
+The workload is the server chapter's: 128 lognormal requests (prompts median 256, outputs median 128, EOS
+ignored), the 0.5B shape with random weights in bf16, 64 sequences at once. Both servers are started and warmed
+first (unmeasured); then, round by round, each side runs the workload with Poisson arrivals at 12 requests/s (the
+server issue's load) and with every request sent at once (saturated): the engine alone in a fresh process
+(nanoserve.bench), then each server over streamed HTTP (nanoserve.endpoint), the order reversed every round.
+Targets: time to first token p99 within 5 ms of the engine alone, output tokens/s within 5%, at 12 requests/s.
+
+`--smoke`: the built-in tiny model on the CPU under the Triton interpreter, six requests, one round.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import checkpoint, device_or_skip, dtype_of, exit_if_failed, is_smoke, median, parser, run_parts, saver  # noqa: E402
+from clients_h200 import POISSON_RATE, Settings, one_run, start_server                     # noqa: E402
+
+import subprocess, tempfile                                                               # noqa: E402
+
+from nanoserve.endpoint import endpoint_runner                                            # noqa: E402
+
+SERVERS = {"process": (), "thread": ("--engine-in-thread",)}
+
+
+def stop(proc) -> None:
+    proc.send_signal(2)
+    try: proc.wait(60)
+    except subprocess.TimeoutExpired: proc.kill(); proc.wait()
+
+
+def summarize(runs: dict) -> dict:
+    "Medians by side and load; each server against the engine alone (TTFT p99 in ms, throughput as a ratio)."
+    med = {key: {m: median([r[m] for r in rs]) for m in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s")}
+           for key, rs in runs.items()}
+    spread = {key: max(r["output_tokens_per_s"] for r in rs) / min(r["output_tokens_per_s"] for r in rs) - 1
+              for key, rs in runs.items()}
+    out = {"median": med, "tps_spread": spread, "disagree": {k: v > 0.15 for k, v in spread.items()}}
+    for load in ("_poisson", ""):
+        base = med["engine" + load]
+        for name in SERVERS:
+            m = med[name + load]
+            out[name + load] = {"ttft_p99_over_engine_ms": (m["ttft_p99_s"] - base["ttft_p99_s"]) * 1e3,
+                                "ttft_p50_over_engine_ms": (m["ttft_p50_s"] - base["ttft_p50_s"]) * 1e3,
+                                "tps_ratio": m["output_tokens_per_s"] / base["output_tokens_per_s"]}
+    p = out["process_poisson"]
+    out["targets"] = {"ttft_p99_within_ms": 5.0, "tps_within": 0.05,
+                      "met": p["ttft_p99_over_engine_ms"] <= 5.0 and p["tps_ratio"] >= 0.95}
+    return out
+
+
+def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device: str, rounds: int) -> None:
+    engine_kw = dict(s.server_engine, dtype=dtype, device=device)
+    folder, servers = Path(tempfile.mkdtemp(prefix="serve-process-")), {}
+    try:
+        for name, extra in SERVERS.items():
+            servers[name] = start_server(model_dir, s.server_engine, dtype, device, folder / f"{name}.log", extra)
+        http = {name: endpoint_runner({"url": url, "model": "clients"}) for name, (_, url) in servers.items()}
+        for name in SERVERS: one_run(model_dir, s, engine_kw, http[name])          # warm each server, unmeasured
+        runs, sides = {}, ["engine", *SERVERS]
+        for r in range(rounds):
+            for name in (sides if r % 2 == 0 else sides[::-1]):
+                for rate, key in ((POISSON_RATE, name + "_poisson"), (None, name)):
+                    summary = one_run(model_dir, s, engine_kw, http.get(name), rate)
+                    runs.setdefault(key, []).append(summary)
+                    print("serve", r, key, {k: round(summary[k], 4) for k in ("output_tokens_per_s", "ttft_p50_s",
+                                                                               "ttft_p99_s")}, flush=True)
+    finally:
+        for proc, _ in servers.values(): stop(proc)
+    res["serve_process"] = {"workload": s.spec.__dict__, "engine_kwargs": engine_kw, "poisson_rate": POISSON_RATE,
+                            "rounds": rounds, "runs": runs, **summarize(runs),
+                            "server_logs": {n: (folder / f"{n}.log").read_text()[-1500:] for n in SERVERS}}
+    print({k: res["serve_process"][k] for k in ("process_poisson", "thread_poisson", "process", "thread", "targets")})
+
+
+def main():
+    ap = parser(__doc__, parts="serve")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    device = device_or_skip(args)
+    smoke, dtype = is_smoke(args), dtype_of(args)
+    s = Settings(smoke)
+    model_dir, shape = checkpoint("0.5B", args)
+    res = {"shape": shape, "dtype": dtype, "device": str(device)}
+    rounds = 1 if smoke else args.rounds
+    parts = {"serve": lambda: serve_ab(model_dir, s, res, dtype, device.type, rounds)}
+    run_parts(parts, args.parts, saver("serve_process_h200.json", res, args), res.setdefault("part_seconds", {}))
+    exit_if_failed(res)
+
+
+if __name__ == "__main__":
+    main()
