@@ -34,7 +34,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
 9. profileb1: the profile at batch 1 alone, for the defaults and each control; profile7bq: the 7B at batch 1, bf16,
    INT4, and INT4 with the LM head quantized; gemv05: the gemv sweep for the 0.5B
    shapes only (1024-wide K tiles tried first); gemvfam: the same for Qwen3-0.6B; profileq3: the
-   profile of Qwen3-0.6B at batch 1; rate1b / rate7bb: as rate / rate7b, under "rate_after";
+   profile of Qwen3-0.6B at batch 1; profile256: the profile at 256 rows from 1,000-token contexts (nano-vllm's
+   workload at its widest), under "long"; rate1b / rate7bb: as rate / rate7b, under "rate_after";
 10. ab / ab7b: an interleaved A/B: the defaults and a control (`--before`: a configuration name whose phrases
    are engine overrides, e.g. "rope_cache, torch argmax" or "norm kernel, fp32 logits, loads apart") both built first, then timed in
    alternating passes, new sequences each round (0.5B: batch 1 and 64, prompts of 128 and 2,000; 7B: batch 1).
@@ -114,6 +115,14 @@ def profile(model_dir, res, batches=(1, 64), steps=32, rate_steps=200, configs=(
     for cname, kw in configs:
         profile_config(model_dir, res.setdefault("profile", {}).setdefault(cname, {}), batches, steps, rate_steps,
                        cname, {**kw, **controls(cname)})
+
+
+def profile_long(model_dir, res, batch=256, prompt_len=1000, steps=16, rate_steps=100):
+    "The decode step of `batch` rows at `prompt_len`-token contexts and longer (nano-vllm's workload at its widest)."
+    saved = dict(RUN)
+    RUN.update(prompt_len=prompt_len, kv_blocks=max(RUN["kv_blocks"], batch * (prompt_len + 3 * rate_steps + 4 * steps) // 16 + batch))
+    try: profile(model_dir, res.setdefault("long", {}), batches=(batch,), steps=steps, rate_steps=rate_steps)
+    finally: RUN.clear(); RUN.update(saved)
 
 
 def profile_config(model_dir, out, batches, steps, rate_steps, cname, kw):
@@ -638,6 +647,8 @@ def main():
              "rate7bb": lambda: rates(seven(), res, s7, [1], both, key="rate_after", **rate_kw),
              "rate256": lambda: rates(d05, res, s05, [1, 8, 64, 256], both, **rate_kw),
              "profile1": lambda: profile(d05, res, **tiny),
+             "profile256": lambda: profile_long(d05, res, **(dict(batch=4, prompt_len=32, steps=2, rate_steps=4)
+                                                              if smoke else {})),
              "profileb1": lambda: profile(d05, res, batches=(1,), configs=both, **tiny),
              "nanovllm": lambda: nanovllm(d05, res, 1 if smoke else 3, smoke, RUN["dtype"]),
              "nanovllm_ab": lambda: nanovllm_ab(d05, res, rounds=2 if smoke else 6),
