@@ -1565,6 +1565,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p.add_argument_group("engine"))
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="uvicorn's event loop (auto: uvloop when installed)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="uvicorn's HTTP parser (auto: httptools when installed)")
     return p
 
 # %% ../nbs/17_server.ipynb #f9ca89b3
@@ -1640,6 +1644,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanoserve serve: error: {e}", file=sys.stderr)
         return 2
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                            loop=args.loop, http=args.http,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 10)
     server = GracefulServer(config, app.state.serving.engine, args.shutdown_grace)
     try:
