@@ -720,14 +720,11 @@ class _EngineProcessPipe(_EngineProcessStart):
         if stream in self._refs: self._by_id.pop(self._refs[stream].id, None)
 
     def _receive(self) -> None:
-        "On the event loop, when the pipe can be read: deliver each message; the pipe's end fails every live stream."
-        try:
-            while self._conn.poll():
-                kind, body = self._conn.recv()
-                if kind == "out": self._deliver([(self._by_id[i], item) for i, item in body if i in self._by_id])
-                elif kind == "metrics" and not (wanted := self._metrics_wanted.pop(0)).done(): wanted.set_result(body)
-        except (EOFError, OSError):
-            self._lost()
+        "On the event loop, when the pipe can be read: one message (the loop calls again while more wait); its end fails every live stream."
+        try: kind, body = self._conn.recv()
+        except (EOFError, OSError): return self._lost()
+        if kind == "out": self._deliver([(self._by_id[i], item) for i, item in body if i in self._by_id])
+        elif kind == "metrics" and not (wanted := self._metrics_wanted.pop(0)).done(): wanted.set_result(body)
 
     def _lost(self) -> None:
         self._loop.remove_reader(self._conn.fileno())
