@@ -490,7 +490,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict = field(default_factory=dict)   # sampling values for requests that omit them
 
-
+# %% ../nbs/17_server.ipynb #1c50ee73
 def engine_info(llm: LLM) -> EngineInfo:
     return EngineInfo(llm.model_dir, llm.max_model_len, llm.config.vocab_size, llm.num_kv_blocks,
                       llm.scheduler_config.max_num_seqs, tuple(sorted(llm.eos_token_ids)), dict(llm.generation_defaults))
@@ -656,8 +656,7 @@ def _serve_engine(conn, llm_kwargs: dict) -> None:
     "The engine's process: build the `LLM`, say so (or why not), then run the engine's loop on what the server sends."
     for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)   # the server decides when it ends
     try: llm = LLM(**llm_kwargs)
-    except Exception as e:
-        conn.send(("failed", type(e).__name__, str(e))); return
+    except Exception as e: return conn.send(("failed", type(e).__name__, str(e)))
     sending, inbox, metrics = threading.Lock(), queue.SimpleQueue(), ServerMetrics(llm.num_kv_blocks)
     def send(message):
         with sending: conn.send(message)
@@ -1034,10 +1033,8 @@ class OpenAIServing:
         "The structured output asked for, compiled (and cached) off the event loop; a 400 naming what is wrong."
         if asked is None: return None
         spec, param = asked
-        try:
-            await asyncio.to_thread(self.engine.grammar_compiler.compile, spec)
-        except ValueError as e:
-            raise APIError(400, f"{param}: {e}", param=param)
+        try: await asyncio.to_thread(self.engine.grammar_compiler.compile, spec)
+        except ValueError as e: raise APIError(400, f"{param}: {e}", param=param)
         return spec
 
 # %% ../nbs/17_server.ipynb #5796533e
