@@ -4,7 +4,7 @@ both on uvicorn's asyncio loop and h11 parser, and, when uvloop and httptools ar
 with uvicorn's uvloop and httptools too.
 
 Run on the device machine from the repo root (fastapi and uvicorn installed):
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/serve_process_h200.py --out $OUT [--rounds 2]
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/serve_process_h200.py --out $OUT [--rounds 3] [--servers process,thread]
 Writes serve_process_h200.json (raw summaries, git sha, GPU, versions, date, the command) to --out.
 
 The workload is the server chapter's: 128 lognormal requests (prompts median 256, outputs median 128, EOS
@@ -87,8 +87,10 @@ def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int)
 
 def main():
     ap = parser(__doc__, parts="serve")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of: {','.join(SERVERS)}")
     args = ap.parse_args()
+    for name in set(SERVERS) - set(args.servers.split(",")): del SERVERS[name]
     device = device_or_skip(args)
     smoke, dtype = is_smoke(args), dtype_of(args)
     s = Settings(smoke)
