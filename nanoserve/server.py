@@ -490,7 +490,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict = field(default_factory=dict)   # sampling values for requests that omit them
 
-# %% ../nbs/17_server.ipynb #1c50ee73
+# %% ../nbs/17_server.ipynb #933defd7
 def engine_info(llm: LLM) -> EngineInfo:
     return EngineInfo(llm.model_dir, llm.max_model_len, llm.config.vocab_size, llm.num_kv_blocks,
                       llm.scheduler_config.max_num_seqs, tuple(sorted(llm.eos_token_ids)), dict(llm.generation_defaults))
