@@ -13,6 +13,9 @@ first (unmeasured); then, round by round, each side runs the workload with Poiss
 server issue's load) and with every request sent at once (saturated): the engine alone in a fresh process
 (nanoserve.bench), then each server over streamed HTTP (nanoserve.endpoint), the order reversed every round.
 Targets: time to first token p99 within 5 ms of the engine alone, output tokens/s within 5%, at 12 requests/s.
+Each server's own time-to-first-token histogram (`/metrics`, from submission to the engine's first token), read
+before and after each run, splits the client's mean: the server's share, and the rest (HTTP before submission,
+delivery after the engine, the client).
 
 `--smoke`: the built-in tiny model on the CPU under the Triton interpreter, six requests, one round.
 """
@@ -22,9 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (checkpoint, device_or_skip, dtype_of, exit_if_failed, is_smoke, median, parser, run_parts,  # noqa: E402
                  saver, warm)
-from clients_h200 import POISSON_RATE, Settings, one_run, start_server                     # noqa: E402
+from clients_h200 import POISSON_RATE, Settings, start_server                             # noqa: E402
 
-import importlib.util, subprocess, tempfile                                              # noqa: E402
+import importlib.util, re, subprocess, tempfile, urllib.request                          # noqa: E402
+
+from nanoserve.bench import model_limits, run_benchmark                                   # noqa: E402
 
 from nanoserve.endpoint import endpoint_runner                                            # noqa: E402
 
@@ -40,9 +45,36 @@ def stop(proc) -> None:
     except subprocess.TimeoutExpired: proc.kill(); proc.wait()
 
 
+def server_ttft(url: str) -> tuple[float, int]:
+    "The server's own time-to-first-token histogram (from submission to the engine's first token): sum and count."
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    get = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+    return get("nanoserve_time_to_first_token_seconds_sum"), int(get("nanoserve_time_to_first_token_seconds_count"))
+
+
+def one_run(model_dir, s: Settings, engine_kw: dict, http=None, rate: float | None = None, url: str | None = None) -> dict:
+    """One run (the engine alone in a fresh process, or over HTTP): its summary, the client's mean time to first token
+    and, for a server, the mean of its own over the same requests (the difference: HTTP before submission, delivery
+    after the engine, and the client)."""
+    before = server_ttft(url) if url else None
+    out = run_benchmark(model_dir, s.spec, ["endpoint" if http else "continuous"], engine_kwargs=engine_kw,
+                        rates=None if rate is None else [rate], repeats=1, warmup_s=3.0 if s.warm_s else 0.0,
+                        progress=False, profile_steps=0, run_one=http, limits=model_limits(model_dir, engine_kw))
+    run = out["runs"][0]
+    if "error" in run: raise RuntimeError(run["error"])
+    rep = run["reps"][0]
+    ttfts = [r["ttft_s"] for r in rep["per_request"] if r.get("ttft_s") is not None]
+    summary = rep["summary"] | {"ttft_mean_s": sum(ttfts) / len(ttfts)}
+    if url:
+        (s0, n0), (s1, n1) = before, server_ttft(url)
+        summary["server_ttft_mean_s"] = (s1 - s0) / max(1, n1 - n0)
+    return summary
+
+
 def summarize(runs: dict) -> dict:
     "Medians by side and load; each server against the engine alone (TTFT p99 in ms, throughput as a ratio)."
-    med = {key: {m: median([r[m] for r in rs]) for m in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s")}
+    med = {key: {m: median([r[m] for r in rs]) for m in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                                                         "ttft_mean_s", "server_ttft_mean_s") if m in rs[0]}
            for key, rs in runs.items()}
     spread = {key: max(r["output_tokens_per_s"] for r in rs) / min(r["output_tokens_per_s"] for r in rs) - 1
               for key, rs in runs.items()}
@@ -66,17 +98,18 @@ def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int)
     try:
         for name, extra in SERVERS.items():
             servers[name] = start_server(model_dir, s.server_engine, dtype, device.type, folder / f"{name}.log", extra)
-        http = {name: endpoint_runner({"url": url, "model": "clients"}) for name, (_, url) in servers.items()}
+        urls = {name: url for name, (_, url) in servers.items()}
+        http = {name: endpoint_runner({"url": url, "model": "clients"}) for name, url in urls.items()}
         for name in SERVERS: one_run(model_dir, s, engine_kw, http[name])          # warm each server, unmeasured
         runs, sides = {}, ["engine", *SERVERS]
         for r in range(rounds):
             for name in (sides if r % 2 == 0 else sides[::-1]):
                 for rate, key in ((POISSON_RATE, name + "_poisson"), (None, name)):
                     warm(device, 1.0)                                          # the clocks up before every row
-                    summary = one_run(model_dir, s, engine_kw, http.get(name), rate)
+                    summary = one_run(model_dir, s, engine_kw, http.get(name), rate, urls.get(name))
                     runs.setdefault(key, []).append(summary)
-                    print("serve", r, key, {k: round(summary[k], 4) for k in ("output_tokens_per_s", "ttft_p50_s",
-                                                                               "ttft_p99_s")}, flush=True)
+                    print("serve", r, key, {k: round(v, 4) for k, v in summary.items() if k in (
+                        "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "server_ttft_mean_s")}, flush=True)
     finally:
         for proc, _ in servers.values(): stop(proc)
     res["serve_process"] = {"workload": s.spec.__dict__, "engine_kwargs": engine_kw, "poisson_rate": POISSON_RATE,
