@@ -679,6 +679,7 @@ class _EngineProcessStart(_EngineFront):
         child.close()
         self.info: EngineInfo = self._ready(start_timeout)
         super().__init__(self.info.max_num_seqs, max_waiting)
+        self._refs, self._by_id, self._next_id, self._metrics_wanted = {}, {}, 0, []   # streams by number; /metrics asked
 
     def _ready(self, timeout: float) -> EngineInfo:
         message = ("failed", "TimeoutError", f"the engine's process was not ready in {timeout:.0f} s")
@@ -704,7 +705,7 @@ class _EngineProcessPipe(_EngineProcessStart):
         if len(command) > 1:                     # its stream, by number
             stream = command[1]
             if stream not in self._refs:
-                self._next_id = getattr(self, "_next_id", 0) + 1
+                self._next_id += 1
                 self._refs[stream] = StreamRef(self._next_id, stream.arrival_time)
                 self._by_id[self._next_id] = stream
             command = (command[0], self._refs[stream], *command[2:])
@@ -745,7 +746,6 @@ class EngineProcess(_EngineProcessPipe):
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         "Deliver outputs on `loop` (default: the running one), read from the pipe when it has some."
         self._loop = loop or asyncio.get_running_loop()
-        self._refs, self._by_id, self._metrics_wanted = {}, {}, []
         self._loop.add_reader(self._conn.fileno(), self._receive)
 
     async def render_metrics(self) -> str:
