@@ -6,19 +6,23 @@ DIR is a checkout of nano-vllm (github.com/GeeeekExplorer/nano-vllm). Both sides
 decode at ~1,000-token contexts (prompts of 1,000 tokens, max_tokens far away, EOS ignored) and time one decode
 step's host path with the model taken out:
 - ours: `lab.decoding_engine`'s `one()`: schedule, sampling rows, pack into the CUDA-graph bucket's static layout,
-  update, reports (the engine's own step less the forward pass and the device copy);
+  update, reports (the engine's own step less the forward pass and the device copy); in steady decode the
+  scheduler's persistent batch makes each step from the last one's columns, and `nanoserve_full_pass`
+  (`persistent_batch=False`) is the control: the step of a batch that changed (a sequence joined or left);
 - nano-vllm's: its `Scheduler.schedule` + `ModelRunner.prepare_decode` + `prepare_sample` + `Scheduler.postprocess`,
   its own code read from DIR, with `pin_memory=True` and `.cuda(non_blocking=True)` taken out of the runner's
   methods (the device copies excluded, as on our side), at its default 256-token blocks and at our 16.
 In the tutorials' order: check (every sequence advances one token a step on both sides), time (`--rounds`
-interleaved rounds of 100 steps each; the ratio is ours over theirs, per round and as the median), write
-host_vs_nanovllm.json. Without `--nanovllm` only our side is timed. `--smoke`: batch 4, 64-token prompts, 2 rounds.
+interleaved rounds of 100 steps each; the ratio is ours over theirs, per round and as the median), count the
+share of nano-vllm's workload's steps the persistent batch makes (`persistent_share`), write host_vs_nanovllm.json. Without `--nanovllm` only our side is timed. `--smoke`: batch 4, 64-token prompts, 2 rounds.
 """
 import ast, random, sys, textwrap, timeit, types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import decoding_engine, is_smoke, median, meta, parser, tiny_model, write
+from nanoserve.block_manager import CacheConfig
+from nanoserve.scheduler import Request, SchedulerConfig, simulate
 
 
 def load_nanovllm(root: Path):
@@ -96,6 +100,19 @@ def check_theirs(sched, one, batch: int) -> None:
     assert len(seqs) == batch and all(s.num_tokens == before[s.seq_id] + 1 for s in seqs), "theirs: no advance"
 
 
+def persistent_share(batch: int, smoke: bool) -> dict:
+    """How many of the decode steps of nano-vllm's workload (`batch` requests, 100..1024 tokens in and out, all at
+    once) the persistent batch makes (the rest are full passes: a sequence joined or left), from the scheduler
+    and its fake model alone (16-token blocks, room for everything)."""
+    g, hi = random.Random(0), (64 if smoke else 1024)
+    reqs = [Request(i, [g.randrange(1000) for _ in range(g.randint(hi // 10, hi))], g.randint(hi // 10, hi))
+            for i in range(batch)]
+    res = simulate(reqs, SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=16384, max_model_len=2 * hi),
+                   CacheConfig(num_blocks=batch * (2 * hi // 16 + 1), block_size=16))
+    return {"persistent_steps": res.num_persistent_steps, "steps": res.num_steps,
+            "share": res.num_persistent_steps / res.num_steps}
+
+
 def main():
     ap = parser(__doc__, out="figures/data")
     ap.add_argument("--nanovllm", type=Path, help="a nano-vllm checkout (its nanovllm/ folder inside)")
@@ -106,7 +123,9 @@ def main():
     batch, prompt_len, n, rounds = (4, 64, 5, 2) if smoke else (args.batch, 1000, 100, args.rounds)
     llm, ours = decoding_engine(tiny_model(), batch, prompt_len=prompt_len)
     check_ours(llm, ours, batch)
-    sides = {"nanoserve": ours}
+    full, ours_full = decoding_engine(tiny_model(), batch, prompt_len=prompt_len, persistent_batch=False)
+    check_ours(full, ours_full, batch)
+    sides = {"nanoserve": ours, "nanoserve_full_pass": ours_full}
     if args.nanovllm is not None:
         mods = load_nanovllm(args.nanovllm)
         for bs in (256, 16):
@@ -123,6 +142,12 @@ def main():
         if name == "nanoserve": continue
         per_round = [a / b for a, b in zip(ms["nanoserve"], ms[name])]
         row[f"ratio_over_{name}"] = {"per_round": per_round, "median": median(per_round)}
+    assert llm.scheduler.num_persistent_steps > 0 and full.scheduler.num_persistent_steps == 0
+    row["workload_persistent_share"] = mix = persistent_share(batch, smoke)
+    if "nanovllm_b256" in ms:            # nano-vllm's workload's mix of steps: persistent ones and full passes
+        per_round = [(mix["share"] * a + (1 - mix["share"]) * b) / c
+                     for a, b, c in zip(ms["nanoserve"], ms["nanoserve_full_pass"], ms["nanovllm_b256"])]
+        row["ratio_over_nanovllm_b256_workload_mix"] = {"per_round": per_round, "median": median(per_round)}
     print({k: v for k, v in row.items() if k not in ("meta", "ms_per_step")})
     write("host_vs_nanovllm.json", {**row, "command": "PYTHONPATH=. python kernels/host_vs_nanovllm.py "
                                      "--nanovllm DIR --batch B", "target": "ours <= 0.7x nano-vllm's (256-token blocks)"},

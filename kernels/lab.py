@@ -252,12 +252,13 @@ def steady_decode(llm, batch: int, prompt_len: int = 128, seed: int = 0) -> None
     while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
 
 
-def decoding_engine(model_dir, batch: int, prompt_len: int = 1000, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)):
+def decoding_engine(model_dir, batch: int, prompt_len: int = 1000, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                    **engine_kw):
     """A CPU engine with `batch` sequences of `prompt_len` tokens in steady decode, packed for the CUDA-graph buckets
     (`capture=False`: the static-buffer layout, no GPU), and `one()`: one decode step's host path (schedule,
-    sampling rows, pack, update, reports) with no model forward. Returns (llm, one)."""
+    sampling rows, pack, update, reports) with no model forward. `engine_kw` go to `LLM`. Returns (llm, one)."""
     llm = LLM(model_dir, max_num_seqs=batch, max_num_batched_tokens=4096,
-              num_kv_blocks=batch * (prompt_len // 16 + 72), device="cpu")
+              num_kv_blocks=batch * (prompt_len // 16 + 72), device="cpu", **engine_kw)
     llm.runner.enable_graphs([b for b in buckets if b <= batch], llm.max_model_len, capture=False)
     g = random.Random(0)
     for _ in range(batch):

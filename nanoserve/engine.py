@@ -88,13 +88,15 @@ class BatchConfig:
     policy: str = "continuous"
     static_batch_size: int | None = None
     async_scheduling: bool | None = None  # None: on a GPU
+    persistent_batch: bool = True         # the scheduler's: an unchanged batch's decodes made from its last step's
 
     def __post_init__(self):          # the scheduler's own checks (its context length is set at start-up)
         self.scheduler(self.max_num_batched_tokens)
 
     def scheduler(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=max_model_len, policy=self.policy, static_batch_size=self.static_batch_size)
+                               max_model_len=max_model_len, policy=self.policy, static_batch_size=self.static_batch_size,
+                               persistent_batch=self.persistent_batch)
 
 # %% ../nbs/12_engine.ipynb #cec21b9b
 _SECTIONS = {"load": LoadConfig, "cache": CacheSpec, "batch": BatchConfig, "kernels": KernelConfig,

@@ -129,28 +129,36 @@ def decode_forward(model: Qwen2ForCausalLM, kv_caches: list, small: torch.Tensor
 # %% ../nbs/09_cuda_graphs.ipynb #67699e8c
 class HeldTables:
     "What each row of a persistent decode block-table buffer holds: a block manager's int64 table, and its first blocks."
-    def __init__(self, rows: int): self.arrays, self.num_blocks = [None] * rows, [0] * rows
+    def __init__(self, rows: int): self.arrays, self.num_blocks, self._last = [None] * rows, [0] * rows, (None, None)
 
-    def changes(self, arrays: list, num_blocks: list[int], stride: int, width: int):
+    def changed_rows(self, arrays: list, num_blocks: list[int], grown: tuple | None) -> tuple[list | None, list[int]]:
+        "(which rows hold the same table, None: all; the rows that differ), looking only at `grown`'s rows when it can."
+        if grown is not None and arrays is self._last[0] and grown[0] is self._last[1]:   # made from what rows hold
+            return None, [j for j in grown[1] if num_blocks[j] != self.num_blocks[j]]
+        n, held_n = len(arrays), self.num_blocks
+        same = list(map(operator.is_, arrays, self.arrays))    # (compared in C: most rows are what they were)
+        if num_blocks == held_n[:n] and all(same): return None, []
+        return same, [j for j in range(n) if not same[j] or num_blocks[j] != held_n[j]]
+
+    def changes(self, arrays: list, num_blocks: list[int], stride: int, width: int, grown: tuple | None = None):
         """What rows holding `arrays`' first `num_blocks` lack: (whole rows' ids, their tables `width` wide as int64
         bytes, single entries' flat indices, their block ids, the update to `commit` once sent)."""
-        n, held, held_n = len(arrays), self.arrays, self.num_blocks
-        same = list(map(operator.is_, arrays, held))           # (compared in C: most rows are what they were)
-        if num_blocks == held_n[:n] and all(same): return [], b"", [], [], None
-        changed = [j for j in range(n) if not same[j] or num_blocks[j] != held_n[j]]
-        rows, parts, where, ids, zero_row = [], [], [], [], bytes(8 * width)
+        same, changed = self.changed_rows(arrays, num_blocks, grown)
+        held_n, rows, parts, where, ids, zero_row = self.num_blocks, [], [], [], [], bytes(8 * width)
         for j in changed:
             nb = num_blocks[j]
-            if same[j] and held_n[j] <= nb:                    # blocks it just took: single entries
+            if (same is None or same[j]) and held_n[j] <= nb:   # blocks it just took: single entries
                 where += range(j * stride + held_n[j], j * stride + nb); ids += arrays[j][held_n[j]:nb]
             else:
                 rows.append(j); parts.append(arrays[j].tobytes()[:8 * nb]); parts.append(zero_row[8 * nb:])
-        return rows, b"".join(parts), where, ids, (changed, [arrays[j] for j in changed], [num_blocks[j] for j in changed])
+        update = (changed, [arrays[j] for j in changed], [num_blocks[j] for j in changed], arrays, num_blocks)
+        return rows, b"".join(parts), where, ids, update
 
     def commit(self, update: tuple | None) -> None:
-        "The rows' entries are on their way to the device: remember what the rows hold now."
+        "The rows' entries are on their way to the device: remember what the rows hold now, and whose columns."
         if update is None: return
-        for j, table, n in zip(*update): self.arrays[j], self.num_blocks[j] = table, n
+        changed, arrays, num_blocks, self._last = update[0], update[1], update[2], update[3:]
+        for j, table, n in zip(changed, arrays, num_blocks): self.arrays[j], self.num_blocks[j] = table, n
 
 # %% ../nbs/09_cuda_graphs.ipynb #0b01303a
 class DecodeGraphs:

@@ -266,7 +266,7 @@ def pack_graph_step(step: Step, sampling, bucket: int, width: int, extras: Sampl
     d = decode_rows(step)
     n, pad = len(d), bucket - len(d)
     zeros = [0] * pad
-    ints = d.token_ids + zeros + d.positions + zeros + d.slots + [-1] * pad + [p + 1 for p in d.positions] + [1] * pad
+    ints = d.token_ids + zeros + d.positions + zeros + d.slots + [-1] * pad + d.context_lens() + [1] * pad
     packed = array.array("q", ints)
     if kept is not None:
         row_ids, dense, where, ids = kept[:4]
@@ -616,7 +616,7 @@ class RunnerHost(RunnerGraphs):
         "What the graphs' persistent block tables lack for `step` (None: tables off); committed once launched."
         if not self.kernels.persistent_block_tables: return None
         d = decode_rows(step)
-        kept = self.graphs.held.changes(d.table_arrays, d.num_blocks, self.graphs.max_blocks, width)
+        kept = self.graphs.held.changes(d.table_arrays, d.num_blocks, self.graphs.max_blocks, width, d.grown)
         self._table_update = kept[4]
         return kept
 

@@ -18,10 +18,10 @@ from .block_manager import BlockManager, CacheConfig
 # %% auto #0
 __all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'TokenSlices', 'ScheduledSeq', 'DecodeRows', 'Step', 'Trace',
            'check_new_request', 'check_request_fits', 'seq_chunk', 'SchedulerQueues', 'SchedulerMoves',
-           'num_fork_tokens', 'admission_kind', 'admission_blocker', 'schedule_decodes', 'schedule_prefills',
-           'admit_waiting', 'advance_seqs', 'resolve_seqs', 'check_queues', 'check_sequences', 'Scheduler',
-           'write_fake_kv', 'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult', 'feed_requests',
-           'simulate', 'replay']
+           'num_fork_tokens', 'admission_kind', 'admission_blocker', 'schedule_decodes', 'next_decode_rows',
+           'kept_decode_rows', 'schedule_prefills', 'admit_waiting', 'advance_seqs', 'resolve_seqs', 'check_queues',
+           'check_sequences', 'Scheduler', 'write_fake_kv', 'check_fake_kv', 'FakeModel', 'Request',
+           'lognormal_workload', 'SimResult', 'feed_requests', 'simulate', 'replay']
 
 # %% ../nbs/01_scheduler.ipynb #51df287c
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "continuous"          # or "static": a fixed batch runs until its longest request finishes
     static_batch_size: int | None = None  # batch size of the static policy (default: max_num_seqs)
+    persistent_batch: bool = True       # an unchanged batch's decodes made from its last step's (False: the control)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -141,8 +142,15 @@ class DecodeRows:
     tables: list[list[int]] = field(default_factory=list) # its block table: the block manager's list, not a copy
     table_arrays: list = field(default_factory=list)      # the same as an int64 `array` (the runner packs its bytes)
     num_blocks: list[int] = field(default_factory=list)   # the table's length in this step (the list grows later)
+    seqs: list = field(default_factory=list)              # its `Sequence` (none in columns made by hand)
+    grown: tuple | None = None    # made from the last step's columns: (their num_blocks, the rows that may have grown)
+    cached_context_lens: list | None = None               # `context_lens()`, once asked
 
     def __len__(self) -> int: return len(self.seq_ids)
+    def context_lens(self) -> list[int]:
+        "Each row's context length, its position + 1 (made once: the packer, `resolve` and the next step's positions)."
+        if self.cached_context_lens is None: self.cached_context_lens = [p + 1 for p in self.positions]
+        return self.cached_context_lens
     def row(self, j: int) -> ScheduledSeq:
         "Row `j` as a `ScheduledSeq` (its table as it was in this step)."
         return ScheduledSeq(self.seq_ids[j], [self.token_ids[j]], self.positions[j],
@@ -179,7 +187,7 @@ class Step:
 
     def sampled_context_lens(self) -> list[int]:
         "The context length of each sampled row, in `sample_seq_ids`' order."
-        d = [p + 1 for p in self.decodes.positions] if self.decodes else []
+        d = self.decodes.context_lens() if self.decodes else []
         return d + [s.context_len for s in self.chunks if s.sample]
 
     def __repr__(self) -> str: return f"Step({self.step_id}, {self.seqs!r}, {self.preempted_seq_ids!r})"
@@ -257,6 +265,8 @@ class SchedulerQueues:
         self._inflight: Step | None = None       # advanced, its sampled tokens not yet known (`advance`/`resolve`)
         self.finishing: list[Sequence] = []      # reached max_tokens in the in-flight step; done once it resolves
         self._advanced: list[Sequence | None] = []   # per sampled row of the in-flight step: who gets its token
+        self._last_rows: tuple | None = None     # (decode columns, step) of the last step when they were its batch
+        self.num_persistent_steps = 0            # steps whose decodes were made from the last step's
 
     def _record(self, event: str, **fields) -> None:
         if self.trace is not None: self.trace.record(event, self.num_steps, **fields)
@@ -367,7 +377,7 @@ def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list
     bm, running, d = sched.block_manager, sched.running, decodes
     bs, table_of, array_of = bm.block_size, bm.block_table, bm.block_table_array
     add_id, add_token, add_pos, add_slot = d.seq_ids.append, d.token_ids.append, d.positions.append, d.slots.append
-    add_table, add_array, add_len = d.tables.append, d.table_arrays.append, d.num_blocks.append
+    add_table, add_array, add_len, add_seq = d.tables.append, d.table_arrays.append, d.num_blocks.append, d.seqs.append
     i = 0
     while i < len(running) and budget > 0:
         seq = running[i]; i += 1
@@ -385,8 +395,35 @@ def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list
             bm.append_slots(seq_id, pos + 1)
         add_id(seq_id); add_token(out[-1] if out else seq.prompt_token_ids[-1]); add_pos(pos)
         add_slot(table[pos // bs] * bs + pos % bs); add_table(table); add_array(array_of(seq_id)); add_len(len(table))
+        add_seq(seq)
         budget -= 1
     return budget
+
+# %% ../nbs/01_scheduler.ipynb #eea88d1b
+def next_decode_rows(sched: SchedulerMoves, last: DecodeRows) -> DecodeRows | None:
+    """The columns of a batch unchanged since `last`, every row one step on: positions and slots one further, a
+    block for each row whose new position starts one, input tokens from the outputs. None when the free blocks
+    are short (the full pass preempts)."""
+    bm = sched.block_manager; bs = bm.block_size
+    positions = last.context_lens()                                        # each row one token further
+    grown = [j for j, p in enumerate(positions) if not p % bs]             # rows entering a new block
+    if len(grown) > bm.num_free_blocks: return None
+    slots, num_blocks, tables = [s + 1 for s in last.slots], last.num_blocks[:], last.tables
+    for j in grown:
+        table, pos = tables[j], positions[j]
+        if pos >= len(table) * bs: bm.append_slots(last.seq_ids[j], pos + 1)
+        slots[j], num_blocks[j] = table[pos // bs] * bs, len(table)
+    token_ids = [seq.output_token_ids[-1] for seq in last.seqs]
+    return DecodeRows(last.seq_ids, token_ids, positions, slots, tables, last.table_arrays, num_blocks, last.seqs,
+                      (last.num_blocks, grown))
+
+# %% ../nbs/01_scheduler.ipynb #b1f532a7
+def kept_decode_rows(sched: SchedulerMoves, budget: int) -> DecodeRows | None:
+    "The next decode columns made from the last step's, when those rows are still the whole batch one step on; else None."
+    if sched._last_rows is None or not sched.config.persistent_batch: return None
+    last, step = sched._last_rows
+    if step + 1 != sched.num_steps or len(sched.running) > budget or sched.running != last.seqs: return None
+    return next_decode_rows(sched, last)          # (`!=` on the lists: the same objects in order, compared in C)
 
 # %% ../nbs/01_scheduler.ipynb #358650dd
 def schedule_prefills(sched: SchedulerMoves, scheduled: list, budget: int, decode_ids: list[int] = ()) -> int:
@@ -436,22 +473,20 @@ def _leave_at_length(sched: SchedulerMoves, seq: Sequence) -> None:
 
 # %% ../nbs/01_scheduler.ipynb #2f80f57f
 def _advance_decodes(sched: SchedulerMoves, d: DecodeRows, advanced: list) -> None:
-    "`advance_seqs` for a step's decode columns: one computed token each, and a placeholder for its sample."
-    bs, get_seq, running = sched.block_manager.block_size, sched.seqs.get, SequenceStatus.RUNNING
-    for seq_id, pos in zip(d.seq_ids, d.positions):
-        advanced.append(None)
-        seq = get_seq(seq_id)
-        if seq is None or seq.status is not running: continue      # aborted or stopped meanwhile
+    "`advance_seqs` for a step's decode columns (its first sampled rows): one computed token each, and a placeholder."
+    bs, running = sched.block_manager.block_size, SequenceStatus.RUNNING
+    seqs = d.seqs or list(map(sched.seqs.get, d.seq_ids))        # (columns made by hand carry no sequences)
+    advanced += seqs
+    for j, seq, pos in zip(range(len(seqs)), seqs, d.positions):
+        if seq is None or seq.status is not running: advanced[j] = None; continue   # aborted or stopped meanwhile
+        computed = seq.num_computed_tokens = pos + 1            # (a decode's position is its computed count)
         if pos < seq.max_computed_tokens: seq.num_recomputed_tokens += 1    # recompute after a preemption
+        else: seq.max_computed_tokens = computed
         if pos < len(seq.prompt_token_ids): seq.num_prefill_tokens += 1     # a prompt's last token
-        seq.num_computed_tokens = computed = seq.num_computed_tokens + 1
-        if computed > seq.max_computed_tokens: seq.max_computed_tokens = computed
-        if computed % bs == 0: sched.block_manager.cache_blocks(seq_id, TokenSlices(seq), computed)   # a block filled
+        if not computed % bs: sched.block_manager.cache_blocks(seq.seq_id, TokenSlices(seq), computed)   # a block filled
         out = seq.output_token_ids
-        out.append(-len(advanced))                    # the placeholder -(1 + j) of the j-th sampled sequence
-        advanced[-1] = seq
+        out.append(~j)                                  # the placeholder -(1 + j) of the j-th sampled sequence
         if len(out) >= seq.max_tokens: _leave_at_length(sched, seq)
-
 
 # %% ../nbs/01_scheduler.ipynb #7592447a
 def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
@@ -528,8 +563,10 @@ class Scheduler(SchedulerMoves):
     def schedule(self) -> Step:
         "Decide the next step. Raises if the previous step was not `update`d."
         if self._pending_step is not None: raise RuntimeError("update() the previous step before scheduling another")
-        budget, decodes, scheduled, preempted = self.config.max_num_batched_tokens, DecodeRows(), [], []
-        budget = schedule_decodes(self, decodes, preempted, budget)
+        budget, scheduled, preempted = self.config.max_num_batched_tokens, [], []
+        decodes = kept_decode_rows(self, budget)
+        if decodes is None: decodes = DecodeRows(); budget = schedule_decodes(self, decodes, preempted, budget)
+        else: budget -= len(decodes); self.num_persistent_steps += 1
         budget = schedule_prefills(self, scheduled, budget, decodes.seq_ids)
         admit_waiting(self, scheduled, preempted, budget)
         if not (decodes or scheduled) and (self.running or self.waiting):
@@ -541,6 +578,7 @@ class Scheduler(SchedulerMoves):
                          prefill=[[s.seq_id, s.start_pos, s.num_tokens] for s in scheduled],
                          num_tokens=step.num_tokens, free_blocks=self.block_manager.num_free_blocks)
         self._pending_step = step
+        self._last_rows = (decodes, self.num_steps) if decodes and len(decodes) == len(self.running) else None
         return step
 
     def cancel(self, step: Step) -> None:
@@ -665,6 +703,7 @@ class SimResult:
     num_tokens: int                    # tokens computed, all steps
     num_preemptions: int
     trace: Trace | None
+    num_persistent_steps: int = 0      # steps whose decodes were made from the last step's (the persistent batch)
 
 # %% ../nbs/01_scheduler.ipynb #4f703e44
 def feed_requests(sched: Scheduler, pending: deque, aborts: list, done: dict) -> None:
@@ -704,7 +743,7 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
         if check_invariants: sched.check_invariants()
         if sched.num_steps > max_steps: raise RuntimeError(f"simulation exceeded {max_steps} steps")
     return SimResult({i: s.output_token_ids for i, s in done.items()}, done, sched.num_steps, num_tokens,
-                     sched.num_preemptions, trace)
+                     sched.num_preemptions, trace, sched.num_persistent_steps)
 
 # %% ../nbs/01_scheduler.ipynb #a6463943
 def replay(path) -> tuple[Trace, Trace]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings, strategies as st
@@ -520,8 +521,9 @@ def full_outputs(reqs, seq_id):
 
 
 # == 1b. seeded random walks: the same checks, with a request mix that runs out of blocks more often ==========
-def random_walk(seed: int) -> dict:
-    "A random workload against a small pool, every step checked, drained and compared; returns what it saw."
+def random_walk(seed: int, persistent_batch: bool = True) -> dict:
+    """A random workload against a small pool, every step checked, drained and compared; returns what it saw.
+    `persistent_batch`: the scheduler's (off: the full pass every step)."""
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 16])
     num_blocks = rng.randint(2, 5) if bs == 16 else rng.randint(2, 24 // bs + 4)
@@ -535,7 +537,7 @@ def random_walk(seed: int) -> dict:
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                           enable_chunked_prefill=chunked, policy=policy,
                           static_batch_size=rng.choice([None, rng.randint(1, max_num_seqs)])
-                          if policy == "static" else None)
+                          if policy == "static" else None, persistent_batch=persistent_batch)
     cache = CacheConfig(num_blocks, bs, rng.random() < 0.6, rng.choice([0.0, 0.0, 0.01, 0.2]))
     bm = BlockManager(num_blocks, bs, cache.enable_prefix_caching, cache.watermark)
     sched = Scheduler(cfg, bm, Trace())
@@ -580,7 +582,8 @@ def random_walk(seed: int) -> dict:
     tr = sched.trace
     return {"preempted": sched.num_preemptions > 0, "prefix_hit": any(a["cached"] for a in tr.of("admit")),
             "aborted": bool(aborted), "stop": any(f["reason"] == "stop" for f in tr.of("finish")),
-            "aborted_after_preemption": any(objs[i].num_preemptions for i in aborted)}
+            "aborted_after_preemption": any(objs[i].num_preemptions for i in aborted),
+            "persistent_steps": sched.num_persistent_steps}
 
 
 WALKS_PER_PART = 300
@@ -598,6 +601,31 @@ def test_random_walks(part):
     # the walks must keep exercising what they are for
     assert seen["preempted"] >= 60 and seen["prefix_hit"] >= 60 and seen["aborted"] >= 150, seen
     assert seen["stop"] >= 100 and seen["aborted_after_preemption"] >= 10, seen
+    assert seen["persistent_steps"] >= 500, seen
+
+
+def walk_steps(seed: int, persistent_batch: bool) -> list[tuple]:
+    "Every step `random_walk(seed)` schedules, as plain values: ids, tokens, positions, slots, tables, preempted."
+    steps, schedule = [], Scheduler.schedule
+    def recording(self):
+        step = schedule(self)
+        steps.append((step.step_id, [s.seq_id for s in step.seqs], step.token_ids, step.positions,
+                      step.slot_mapping, [s.block_table for s in step.seqs], step.preempted_seq_ids))
+        return step
+    with mock.patch.object(Scheduler, "schedule", recording): random_walk(seed, persistent_batch)
+    return steps
+
+
+def test_persistent_batch_schedules_what_the_full_pass_does():
+    """The persistent batch (decodes made from the last step's columns) against the full pass every step, in the
+    same random walks (preemption, aborts between schedule and update, cancelled steps, prefix hits): every step
+    the same rows, tokens, positions, slots and tables."""
+    num_kept = 0
+    for seed in range(150):
+        on, off = walk_steps(seed, True), walk_steps(seed, False)
+        assert on == off, f"random_walk({seed}) scheduled differently with the persistent batch"
+        num_kept += sum(1 for a, b in zip(on, on[1:]) if a[1] == b[1])
+    assert num_kept >= 300                         # steps with the same rows as the last: where it runs
 
 
 # == 3. targeted regressions ================================================================================
