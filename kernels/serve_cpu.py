@@ -26,9 +26,12 @@ ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_kv_blocks": 2
 
 
 def cpu_seconds(pid: int) -> float:
-    "User + system CPU seconds of process `pid` so far (all its threads)."
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    "CPU seconds process `pid` has run so far, all its threads (the scheduler's nanosecond count, /proc/PID/task/*/schedstat)."
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try: total += int((task / "schedstat").read_text().split()[0])
+        except OSError: pass                                    # a thread that ended meanwhile
+    return total / 1e9
 
 
 def children(pid: int) -> list[int]:
@@ -78,8 +81,8 @@ def measure(pid: int, url: str, streams: int, tokens: int) -> dict:
 
 def main():
     ap = parser(__doc__, out="figures/data")
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--servers", default="default", help="comma-separated names from VARIANTS")
     ap.add_argument("--profile", type=Path, default=None)
@@ -111,9 +114,12 @@ def profile(path: Path, streams: int, tokens: int) -> None:
     "One run of the default server under cProfile (its main thread, the event loop); the top of it printed."
     import pstats, re, subprocess
     log = Path(tempfile.mkdtemp(prefix="serve-cpu-")) / "server.log"
-    args = [sys.executable, "-m", "cProfile", "-o", str(path), "-m", "nanoserve.server", "--model", str(tiny_model()),
-            "--port", "0", "--no-access-log", "--log-level", "warning", "--served-model-name", "clients",
-            "--dtype", "float32", "--device", "cpu", *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items())]
+    serve_args = ["--model", str(tiny_model()), "--port", "0", "--no-access-log", "--log-level", "warning",
+                  "--served-model-name", "clients", "--dtype", "float32", "--device", "cpu",
+                  *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items())]
+    run = (f"import cProfile, sys; from nanoserve.server import main; sys.argv[1:] = {serve_args!r}; "
+           f"cProfile.run('main()', {str(path)!r})")        # (the engine's process is spawned from the module)
+    args = [sys.executable, "-c", run]
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.monotonic() + 300
     while not (m := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)", log.read_text())):

@@ -13,9 +13,9 @@ first (unmeasured); then, round by round, each side runs the workload with Poiss
 server issue's load) and with every request sent at once (saturated): the engine alone in a fresh process
 (nanoserve.bench), then each server over streamed HTTP (nanoserve.endpoint), the order reversed every round.
 Targets: time to first token p99 within 5 ms of the engine alone, output tokens/s within 5%, at 12 requests/s.
-Each server's own time-to-first-token histogram (`/metrics`, from submission to the engine's first token), read
-before and after each run, splits the client's mean: the server's share, and the rest (HTTP before submission,
-delivery after the engine, the client).
+Each server's own histograms (`/metrics`), read before and after each run, split the client's mean time to first
+token: the engine's (from submission to its first token), the HTTP side's (from the request's arrival at the
+server to its first token's chunk written to the connection), and the rest (the client's own, and the wire).
 
 `--smoke`: the built-in tiny model on the CPU under the Triton interpreter, six requests, one round.
 """
@@ -45,18 +45,25 @@ def stop(proc) -> None:
     except subprocess.TimeoutExpired: proc.kill(); proc.wait()
 
 
-def server_ttft(url: str) -> tuple[float, int]:
-    "The server's own time-to-first-token histogram (from submission to the engine's first token): sum and count."
+HISTOGRAMS = {"server_ttft": "nanoserve_time_to_first_token_seconds",            # submission -> the engine's first token
+              "http_first_chunk": "nanoserve_http_time_to_first_chunk_seconds"}   # arrival -> its chunk written
+
+
+def server_histograms(url: str) -> dict[str, tuple[float, int]]:
+    "The server's own histograms (`HISTOGRAMS`, the HTTP side's where the server has it): name -> (sum, count)."
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    get = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-    return get("nanoserve_time_to_first_token_seconds_sum"), int(get("nanoserve_time_to_first_token_seconds_count"))
+    out = {}
+    for key, name in HISTOGRAMS.items():
+        s, n = (re.search(rf"^{name}_{part} (\S+)$", text, re.M) for part in ("sum", "count"))
+        if s and n: out[key] = float(s.group(1)), int(float(n.group(1)))
+    return out
 
 
 def one_run(model_dir, s: Settings, engine_kw: dict, http=None, rate: float | None = None, url: str | None = None) -> dict:
     """One run (the engine alone in a fresh process, or over HTTP): its summary, the client's mean time to first token
     and, for a server, the mean of its own over the same requests (the difference: HTTP before submission, delivery
     after the engine, and the client)."""
-    before = server_ttft(url) if url else None
+    before = server_histograms(url) if url else None
     out = run_benchmark(model_dir, s.spec, ["endpoint" if http else "continuous"], engine_kwargs=engine_kw,
                         rates=None if rate is None else [rate], repeats=1, warmup_s=3.0 if s.warm_s else 0.0,
                         progress=False, profile_steps=0, run_one=http, limits=model_limits(model_dir, engine_kw))
@@ -66,15 +73,17 @@ def one_run(model_dir, s: Settings, engine_kw: dict, http=None, rate: float | No
     ttfts = [r["ttft_s"] for r in rep["per_request"] if r.get("ttft_s") is not None]
     summary = rep["summary"] | {"ttft_mean_s": sum(ttfts) / len(ttfts)}
     if url:
-        (s0, n0), (s1, n1) = before, server_ttft(url)
-        summary["server_ttft_mean_s"] = (s1 - s0) / max(1, n1 - n0)
+        after = server_histograms(url)
+        for key, (s0, n0) in before.items():
+            s1, n1 = after[key]
+            summary[key + "_mean_s"] = (s1 - s0) / max(1, n1 - n0)
     return summary
 
 
 def summarize(runs: dict) -> dict:
     "Medians by side and load; each server against the engine alone (TTFT p99 in ms, throughput as a ratio)."
     med = {key: {m: median([r[m] for r in rs]) for m in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
-                                                         "ttft_mean_s", "server_ttft_mean_s") if m in rs[0]}
+                                                         "ttft_mean_s", "server_ttft_mean_s", "http_first_chunk_mean_s") if m in rs[0]}
            for key, rs in runs.items()}
     spread = {key: max(r["output_tokens_per_s"] for r in rs) / min(r["output_tokens_per_s"] for r in rs) - 1
               for key, rs in runs.items()}
@@ -109,7 +118,8 @@ def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int)
                     summary = one_run(model_dir, s, engine_kw, http.get(name), rate, urls.get(name))
                     runs.setdefault(key, []).append(summary)
                     print("serve", r, key, {k: round(v, 4) for k, v in summary.items() if k in (
-                        "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "server_ttft_mean_s")}, flush=True)
+                        "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "server_ttft_mean_s",
+                        "http_first_chunk_mean_s")}, flush=True)
     finally:
         for proc, _ in servers.values(): stop(proc)
     res["serve_process"] = {"workload": s.spec.__dict__, "engine_kwargs": engine_kw, "poisson_rate": POISSON_RATE,

@@ -399,7 +399,7 @@ def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list
         budget -= 1
     return budget
 
-# %% ../nbs/01_scheduler.ipynb #eea88d1b
+# %% ../nbs/01_scheduler.ipynb #232192f1
 def next_decode_rows(sched: SchedulerMoves, last: DecodeRows) -> DecodeRows | None:
     """The columns of a batch unchanged since `last`, every row one step on: positions and slots one further, a
     block for each row whose new position starts one, input tokens from the outputs. None when the free blocks
@@ -417,7 +417,7 @@ def next_decode_rows(sched: SchedulerMoves, last: DecodeRows) -> DecodeRows | No
     return DecodeRows(last.seq_ids, token_ids, positions, slots, tables, last.table_arrays, num_blocks, last.seqs,
                       (last.num_blocks, grown))
 
-# %% ../nbs/01_scheduler.ipynb #b1f532a7
+# %% ../nbs/01_scheduler.ipynb #1e640745
 def kept_decode_rows(sched: SchedulerMoves, budget: int) -> DecodeRows | None:
     "The next decode columns made from the last step's, when those rows are still the whole batch one step on; else None."
     if sched._last_rows is None or not sched.config.persistent_batch: return None

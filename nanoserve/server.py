@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -988,6 +988,8 @@ class OpenAIServing:
         self.tokenizer = load_tokenizer(info.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
         self.token_text, self.created = TokenText(self.tokenizer), int(time.time())
+        self.first_chunk = Histogram("nanoserve_http_time_to_first_chunk_seconds", "Time from a streamed request's "
+                                     "arrival to its first token's chunk written to the connection.", _LATENCY_BUCKETS)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -1203,14 +1205,17 @@ async def _until_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect": pass
 
 # %% ../nbs/17_server.ipynb #47408c19
-async def _event_stream(engine: EngineThread, streams: list[RequestStream], answer: Answer, num_prompt_tokens: int):
-    "The server-sent events of one streamed answer: chunks per step per choice, the finishes, the usage, [DONE]."
+async def _event_stream(engine: EngineThread, streams: list[RequestStream], answer: Answer, num_prompt_tokens: int,
+                        on_first_token: Callable[[], None] | None = None):
+    """The server-sent events of one streamed answer: chunks per step per choice, the finishes, the usage, [DONE].
+    `on_first_token` is called once the first token's chunks are written (the generator resumed after them)."""
     shaper = answer.shaper
     try:
         if shaper.kind == "chat":
             for i in range(len(streams) * answer.n): yield sse(shaper.chunk(first=True, index=i))
         async for prompt_i, out in engine.outputs(streams):
             for chunk in answer.chunks(prompt_i, out): yield sse(chunk)
+            if on_first_token is not None and out.new_token_ids: on_first_token(); on_first_token = None
         if shaper.include_usage: yield sse(shaper.usage_chunk(usage(num_prompt_tokens, answer.num_tokens)))
     except APIError as e:              # the status is sent already: the error is an event of the stream
         yield sse(e.body())
@@ -1229,7 +1234,9 @@ async def generate_response(serving: OpenAIServing, request: Request, shaper: Re
     def abort_all():
         for s in streams: engine.abort(s)
     if stream_it:
-        return _StreamingResponse(_event_stream(engine, streams, answer, num_prompt_tokens), on_close=abort_all)
+        arrival = request.scope.get("state", {}).get("arrival_time")    # (`_Guard` puts it there)
+        first = None if arrival is None else lambda: serving.first_chunk.observe(time.perf_counter() - arrival)
+        return _StreamingResponse(_event_stream(engine, streams, answer, num_prompt_tokens, first), on_close=abort_all)
 
     async def collect() -> None:
         async for prompt_i, out in engine.outputs(streams): answer.add(prompt_i, out)
@@ -1258,7 +1265,8 @@ class _BodyTimeout(StarletteHTTPException):
 
 # %% ../nbs/17_server.ipynb #f0f83ba2
 class _Guard:
-    "ASGI middleware: the API key on /v1/* (401), the body size limit (413) and the body's deadline (408)."
+    """ASGI middleware: the API key on /v1/* (401), the body size limit (413) and the body's deadline (408); each
+    request's arrival time (`scope["state"]["arrival_time"]`, where the first-chunk metric starts)."""
 
     def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20, body_timeout: float = 30.0):
         self.app, self.api_key, self.max_body_bytes, self.body_timeout = app, api_key, max_body_bytes, body_timeout
@@ -1269,6 +1277,7 @@ class _Guard:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http": return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival_time"] = time.perf_counter()
         headers = Headers(scope=scope)
         if self.api_key and scope["path"].startswith("/v1/") and not self._authorized(headers.get("authorization")):
             error = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
@@ -1431,7 +1440,8 @@ def _info_routes(app: FastAPI, serving: OpenAIServing, engine: EngineThread | En
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         "Prometheus text format."
-        return PlainTextResponse(await engine.render_metrics(), media_type="text/plain; version=0.0.4")
+        text = await engine.render_metrics() + "\n".join(serving.first_chunk.render()) + "\n"   # the engine's, the HTTP side's
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 # %% ../nbs/17_server.ipynb #7a269dc5
 def build_app(engine: LLM | EngineThread | EngineProcess, *, served_model_name: str | None = None,

@@ -264,6 +264,8 @@ def test_1000_concurrent_streams_each_get_exactly_max_tokens(server):
         - before['nanoserve_requests_finished_total{finish_reason="length"}'] == n
     assert after["nanoserve_generation_tokens_total"] - before["nanoserve_generation_tokens_total"] == n * max_tokens
     assert after["nanoserve_kv_blocks_used"] == after["nanoserve_requests_running"] == 0
+    first = "nanoserve_http_time_to_first_chunk_seconds"          # the HTTP side's own histogram: one per stream
+    assert after[first + "_count"] - before[first + "_count"] == n and after[first + "_sum"] > before[first + "_sum"]
     print(f"{n} concurrent streams in {elapsed:.1f} s")
 
 
