@@ -6,18 +6,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
+from json import dumps as json_dumps           # (`StreamClient.stream` takes a `json` argument, as httpx's)
 
 from .bench import BenchRequest, build_parser, percentile, run_command, summarize
 
 # %% auto #0
-__all__ = ['parse_sse_line', 'chunk_info', 'probe_server', 'endpoint_result', 'arun_endpoint', 'run_endpoint', 'failed_run',
-           'endpoint_runner', 'build_endpoint_parser', 'main']
+__all__ = ['parse_sse_line', 'chunk_info', 'probe_server', 'endpoint_result', 'ConnectError', 'StreamClient', 'arun_endpoint',
+           'run_endpoint', 'failed_run', 'endpoint_runner', 'build_endpoint_parser', 'main']
 
 # %% ../nbs/16_endpoint.ipynb #d639b214
 def parse_sse_line(line: str):
@@ -122,14 +125,125 @@ def endpoint_result(per_request: list[dict], elapsed: float, cpu: float, max_con
     return {"per_request": per_request, "wall_s": wall, "errors": len(per_request) - len(ok),
             "itl": {f"p{q}_s": percentile(gaps, q / 100) for q in (50, 90, 99)}, "client": client_info, "server": server}
 
+# %% ../nbs/16_endpoint.ipynb #6e46fbdb
+class ConnectError(OSError):
+    "The endpoint could not be reached (the name `failed_run` reads, as httpx's)."
+
+
+async def _read_body_parts(reader: asyncio.StreamReader, headers: dict[str, str]):
+    "The body's bytes as they arrive: chunked, `Content-Length` long, or up to the end of the connection."
+    try:
+        async for part in _body_parts(reader, headers): yield part
+    except asyncio.IncompleteReadError:
+        raise ConnectionResetError("the server closed the connection in the middle of the body") from None
+
+
+async def _body_parts(reader: asyncio.StreamReader, headers: dict[str, str]):
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            if not (line := await reader.readline()): raise asyncio.IncompleteReadError(b"", None)   # no size line
+            if not (size := int(line.split(b";")[0].strip(), 16)): break
+            data = await reader.readexactly(size + 2)                # the chunk and its CRLF
+            yield data[:-2]
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""): pass    # the trailer, up to its blank line
+    elif "content-length" in headers:
+        if (n := int(headers["content-length"])): yield await reader.readexactly(n)
+    else:
+        while (data := await reader.read(65536)): yield data
+
+# %% ../nbs/16_endpoint.ipynb #44db3144
+class _Response:
+    "One response on a connection: its status and headers, then its body (one reader of it, whoever asks)."
+    def __init__(self, reader: asyncio.StreamReader, status_code: int, headers: dict[str, str]):
+        self.status_code, self.headers = status_code, headers
+        self.parts = _read_body_parts(reader, headers)
+
+    async def aread(self) -> bytes: return b"".join([p async for p in self.parts])
+
+    async def aiter_lines(self):
+        "The body's lines as they arrive (without their line ends)."
+        rest = b""
+        async for part in self.parts:
+            *lines, rest = (rest + part).split(b"\n")
+            for line in lines: yield line.rstrip(b"\r").decode()
+        if rest: yield rest.rstrip(b"\r").decode()
+
+    async def finish(self) -> None:
+        "Read what is left of the body (after [DONE], its last chunk), so that the connection can carry another."
+        async for _ in self.parts: pass
+
+# %% ../nbs/16_endpoint.ipynb #4c7f90b2
+async def _read_head(reader: asyncio.StreamReader, status_line: bytes) -> tuple[int, dict[str, str]]:
+    "The status code and the headers (names lower-cased) of a response whose first line is `status_line`."
+    if not status_line: raise ConnectionResetError("the server closed the connection without answering")
+    status, headers = int(status_line.split()[1]), {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        k, _, v = line.decode("latin-1").partition(":"); headers[k.strip().lower()] = v.strip()
+    return status, headers
+
+
+def _reusable(headers: dict[str, str]) -> bool:
+    "Whether a connection can carry another request after this response: its body framed, not `Connection: close`."
+    framed = headers.get("transfer-encoding", "").lower() == "chunked" or "content-length" in headers
+    return framed and headers.get("connection", "").lower() != "close"
+
+# %% ../nbs/16_endpoint.ipynb #847581e8
+class StreamClient:
+    "The benchmark's HTTP/1.1 client: `stream(method, path, json=...)` as httpx's, over a pool of idle connections."
+    def __init__(self, base_url: str, headers: dict | None = None, timeout: float = 600.0):
+        u = urllib.parse.urlsplit(base_url)
+        if u.scheme != "http": raise ValueError(f"StreamClient speaks plain http://, not {base_url!r}")
+        self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
+        self.head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": u.netloc, **(headers or {})}.items())
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _open(self):
+        try: return await asyncio.open_connection(self.host, self.port)
+        except OSError as e: raise ConnectError(f"{self.host}:{self.port}: {e}") from None
+
+    async def _send(self, request: bytes):
+        "(reader, writer, status line) of `request` sent on an idle connection, or a new one when the idle was closed."
+        while self.idle:
+            reader, writer = self.idle.pop()
+            try:
+                writer.write(request)
+                if (status := await reader.readline()): return reader, writer, status
+            except OSError: pass
+            writer.close()                                   # closed while idle (the server's keep-alive ran out)
+        reader, writer = await self._open()
+        writer.write(request)
+        return reader, writer, await reader.readline()
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, path: str, json: dict | None = None):
+        "Send one request and yield its `_Response`; the connection is kept when the response allows it."
+        body = b"" if json is None else json_dumps(json).encode()
+        request = (f"{method} {path} HTTP/1.1\r\n{self.head}Content-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        async with asyncio.timeout(self.timeout):
+            reader, writer, status_line = await self._send(request)
+            try:
+                resp = _Response(reader, *await _read_head(reader, status_line))
+                yield resp
+                await resp.finish()
+            except BaseException:
+                writer.close(); raise
+        if _reusable(resp.headers): self.idle.append((reader, writer))
+        else: writer.close()
+
+    async def aclose(self) -> None:
+        for _, writer in self.idle: writer.close()
+        self.idle.clear()
+
 # %% ../nbs/16_endpoint.ipynb #45aba7c8
 async def arun_endpoint(url: str, requests: list[BenchRequest], send_times: list[float] | None, *,
                         api_key: str | None = None, model: str | None = None, timeout: float = 600.0,
-                        max_connections: int = 1024) -> dict:
+                        max_connections: int = 1024, http_client: str = "lean") -> dict:
     "The coroutine behind `run_endpoint`."
     import httpx
     send = list(send_times) if send_times is not None else [0.0] * len(requests)
     if len(send) != len(requests): raise ValueError(f"{len(send)} send times for {len(requests)} requests")
+    if http_client not in ("lean", "httpx"): raise ValueError(f"http_client must be 'lean' or 'httpx', got {http_client!r}")
     base = url.rstrip("/")
     if base.endswith("/v1"): base = base[:-3]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -137,6 +251,8 @@ async def arun_endpoint(url: str, requests: list[BenchRequest], send_times: list
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, http1=True, http2=False,
                                  timeout=httpx.Timeout(timeout, pool=None)) as client:
         server = {"url": url} | await probe_server(client, model)
+        lean = http_client == "lean" and base.startswith("http://")      # (https: httpx)
+        sender, server["http_client"] = (StreamClient(base, headers, timeout), "lean") if lean else (client, "httpx")
         bodies = [{"model": server["model"], "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                   for r in requests]
@@ -145,22 +261,24 @@ async def arun_endpoint(url: str, requests: list[BenchRequest], send_times: list
         tasks: list = [None] * len(requests)
         cpu0, t0_loop, t0 = time.process_time(), loop.time() + 0.01, time.perf_counter() + 0.01
         def launch(i):
-            tasks[i] = asyncio.ensure_future(_one_request(client, "/v1/completions", bodies[i], requests[i], send[i],
+            tasks[i] = asyncio.ensure_future(_one_request(sender, "/v1/completions", bodies[i], requests[i], send[i],
                                                           t0 + send[i]))
         for i, s in enumerate(send): loop.call_at(t0_loop + s, launch, i)
         await asyncio.sleep(max(send, default=0.0) + 0.02)
         while any(t is None for t in tasks): await asyncio.sleep(0.001)
         per_request = list(await asyncio.gather(*tasks))
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        if lean: await sender.aclose()
     return endpoint_result(per_request, elapsed, cpu, max_connections, server)
 
 # %% ../nbs/16_endpoint.ipynb #9a87ec5a
 def run_endpoint(url: str, requests: list[BenchRequest], send_times: list[float] | None, *,
                  api_key: str | None = None, model: str | None = None, timeout: float = 600.0,
-                 max_connections: int = 1024) -> dict:
-    "Send `requests` at `send_times` (seconds from the start; None: all at once) to an OpenAI-compatible server."
+                 max_connections: int = 1024, http_client: str = "lean") -> dict:
+    """Send `requests` at `send_times` (seconds from the start; None: all at once) to an OpenAI-compatible server,
+    through `StreamClient` (`http_client="lean"`, for http://) or httpx ("httpx", the control; and https://)."""
     run = lambda: asyncio.run(arun_endpoint(url, requests, send_times, api_key=api_key, model=model,
-                                            timeout=timeout, max_connections=max_connections))
+                                            timeout=timeout, max_connections=max_connections, http_client=http_client))
     try: asyncio.get_running_loop()
     except RuntimeError: return run()
     box = {}
@@ -184,12 +302,13 @@ def failed_run(res: dict, url: str) -> str | None:
 
 # %% ../nbs/16_endpoint.ipynb #5762daa6
 def endpoint_runner(endpoint: dict) -> Callable[[dict], dict]:
-    """A `run_one` for `bench.run_benchmark`: each job's requests sent to `endpoint` ({url, api_key, model}) over
+    """A `run_one` for `bench.run_benchmark`: each job's requests sent to `endpoint` ({url, api_key, model,
+    http_client}) over
     HTTP; a run with a failed request raises (`failed_run` says why), so that it is an error, not a measurement."""
     def run(job: dict) -> dict:
         requests = [BenchRequest(tuple(p), n) for p, n in job["requests"]]
         res = run_endpoint(endpoint["url"], requests, job["send_times"], api_key=endpoint.get("api_key"),
-                           model=endpoint.get("model"))
+                           model=endpoint.get("model"), http_client=endpoint.get("http_client", "lean"))
         if (why := failed_run(res, endpoint["url"])) is not None: raise RuntimeError(why)
         res["summary"] = summarize(res["per_request"], res["wall_s"])
         return res
@@ -205,6 +324,8 @@ def build_endpoint_parser():
     p.add_argument("--served-model", default=None, help="the endpoint's model name (as --model; default: the first it lists)")
     p.add_argument("--vocab-size", type=int, default=151936, help="token ids are drawn below this")
     p.add_argument("--max-model-len", type=int, default=4096, help="the server's context")
+    p.add_argument("--http-client", choices=("lean", "httpx"), default="lean",
+                   help="the client: the benchmark's own (`StreamClient`, http://) or httpx (the control)")
     return p
 
 # %% ../nbs/16_endpoint.ipynb #0b3c4505
@@ -214,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_endpoint_parser().parse_args(argv)
     endpoint = {"url": args.endpoint, "api_key": args.api_key or os.environ.get("OPENAI_API_KEY"),
-                "model": args.served_model or args.model}
+                "model": args.served_model or args.model, "http_client": args.http_client}
     return run_command(args, argv, lambda: None, [f"endpoint:{args.endpoint}"],
                        limits=(args.vocab_size, args.max_model_len), run_one=endpoint_runner(endpoint))
 
