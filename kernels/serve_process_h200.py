@@ -5,6 +5,7 @@ with uvicorn's uvloop and httptools too.
 
 Run on the device machine from the repo root (fastapi and uvicorn installed):
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/serve_process_h200.py --out $OUT [--rounds 3] [--servers process,thread]
+        [--httpx-side]
 Writes serve_process_h200.json (raw summaries, git sha, GPU, versions, date, the command) to --out.
 
 The workload is the server chapter's: 128 lognormal requests (prompts median 256, outputs median 128, EOS
@@ -16,6 +17,9 @@ Targets: time to first token p99 within 5 ms of the engine alone, output tokens/
 Each server's own histograms (`/metrics`), read before and after each run, split the client's mean time to first
 token: the engine's (from submission to its first token), the HTTP side's (from the request's arrival at the
 server to its first token's chunk written to the connection), and the rest (the client's own, and the wire).
+
+The client is the benchmark's own (`nanoserve.endpoint.StreamClient`); `--httpx-side` sends the same runs to the
+first server through httpx too (the client's control).
 
 `--smoke`: the built-in tiny model on the CPU under the Triton interpreter, six requests, one round.
 """
@@ -88,20 +92,21 @@ def summarize(runs: dict) -> dict:
     spread = {key: max(r["output_tokens_per_s"] for r in rs) / min(r["output_tokens_per_s"] for r in rs) - 1
               for key, rs in runs.items()}
     out = {"median": med, "tps_spread": spread, "disagree": {k: v > 0.15 for k, v in spread.items()}}
+    names = [k for k in runs if not k.endswith("_poisson") and k != "engine"]      # the servers (and clients) timed
     for load in ("_poisson", ""):
         base = med["engine" + load]
-        for name in SERVERS:
+        for name in names:
             m = med[name + load]
             out[name + load] = {"ttft_p99_over_engine_ms": (m["ttft_p99_s"] - base["ttft_p99_s"]) * 1e3,
                                 "ttft_p50_over_engine_ms": (m["ttft_p50_s"] - base["ttft_p50_s"]) * 1e3,
                                 "tps_ratio": m["output_tokens_per_s"] / base["output_tokens_per_s"]}
     out["targets"] = {"ttft_p99_within_ms": 5.0, "tps_within": 0.05,
                       "met": {name: out[name + "_poisson"]["ttft_p99_over_engine_ms"] <= 5.0 and
-                              out[name + "_poisson"]["tps_ratio"] >= 0.95 for name in SERVERS}}
+                              out[name + "_poisson"]["tps_ratio"] >= 0.95 for name in names}}
     return out
 
 
-def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int) -> None:
+def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int, httpx_side: bool = False) -> None:
     engine_kw = dict(s.server_engine, dtype=dtype, device=device.type)
     folder, servers = Path(tempfile.mkdtemp(prefix="serve-process-")), {}
     try:
@@ -111,6 +116,11 @@ def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int)
         http = {name: endpoint_runner({"url": url, "model": "clients"}) for name, url in urls.items()}
         for name in SERVERS: one_run(model_dir, s, engine_kw, http[name])          # warm each server, unmeasured
         runs, sides = {}, ["engine", *SERVERS]
+        if httpx_side:        # the first server again, through httpx instead of the benchmark's own client
+            first = next(iter(SERVERS))
+            urls[first + "_httpx"] = urls[first]
+            http[first + "_httpx"] = endpoint_runner({"url": urls[first], "model": "clients", "http_client": "httpx"})
+            sides.append(first + "_httpx")
         for r in range(rounds):
             for name in (sides if r % 2 == 0 else sides[::-1]):
                 for rate, key in ((POISSON_RATE, name + "_poisson"), (None, name)):
@@ -125,13 +135,14 @@ def serve_ab(model_dir, s: Settings, res: dict, dtype: str, device, rounds: int)
     res["serve_process"] = {"workload": s.spec.__dict__, "engine_kwargs": engine_kw, "poisson_rate": POISSON_RATE,
                             "rounds": rounds, "runs": runs, **summarize(runs),
                             "server_logs": {n: (folder / f"{n}.log").read_text()[-1500:] for n in SERVERS}}
-    print({k: res["serve_process"][k] for k in [*(n + load for n in SERVERS for load in ("_poisson", "")), "targets"]})
+    print({k: v for k, v in res["serve_process"].items() if k not in ("runs", "server_logs", "median", "workload")})
 
 
 def main():
     ap = parser(__doc__, parts="serve")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of: {','.join(SERVERS)}")
+    ap.add_argument("--httpx-side", action="store_true", help="the first server through httpx too (the client's control)")
     args = ap.parse_args()
     for name in set(SERVERS) - set(args.servers.split(",")): del SERVERS[name]
     device = device_or_skip(args)
@@ -140,7 +151,7 @@ def main():
     model_dir, shape = checkpoint("0.5B", args)
     res = {"shape": shape, "dtype": dtype, "device": str(device)}
     rounds = 1 if smoke else args.rounds
-    parts = {"serve": lambda: serve_ab(model_dir, s, res, dtype, device, rounds)}
+    parts = {"serve": lambda: serve_ab(model_dir, s, res, dtype, device, rounds, args.httpx_side)}
     run_parts(parts, args.parts, saver("serve_process_h200.json", res, args), res.setdefault("part_seconds", {}))
     exit_if_failed(res)
 
