@@ -288,6 +288,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5)
+_FIRST_CHUNK = ("nanoserve_http_time_to_first_chunk_seconds",
+                "Time from a streamed request's arrival to its first token's chunk written to the connection.")
 
 # %% ../nbs/17_server.ipynb #23408bb1
 class Histogram:
@@ -988,8 +990,7 @@ class OpenAIServing:
         self.tokenizer = load_tokenizer(info.model_dir)
         self.tokenizer.model_max_length = 1 << 62      # lengths are checked against the context below
         self.token_text, self.created = TokenText(self.tokenizer), int(time.time())
-        self.first_chunk = Histogram("nanoserve_http_time_to_first_chunk_seconds", "Time from a streamed request's "
-                                     "arrival to its first token's chunk written to the connection.", _LATENCY_BUCKETS)
+        self.first_chunk = Histogram(*_FIRST_CHUNK, _LATENCY_BUCKETS)   # the HTTP side's own clock (`_event_stream`)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
