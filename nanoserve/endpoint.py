@@ -190,10 +190,11 @@ def _reusable(headers: dict[str, str]) -> bool:
 # %% ../nbs/16_endpoint.ipynb #847581e8
 class StreamClient:
     "The benchmark's HTTP/1.1 client: `stream(method, path, json=...)` as httpx's, over a pool of idle connections."
-    def __init__(self, base_url: str, headers: dict | None = None, timeout: float = 600.0):
+    def __init__(self, base_url: str, headers: dict | None = None, timeout: float = 600.0, max_connections: int = 1024):
         u = urllib.parse.urlsplit(base_url)
         if u.scheme != "http": raise ValueError(f"StreamClient speaks plain http://, not {base_url!r}")
         self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
+        self.slots = asyncio.Semaphore(max_connections)      # requests in flight at once (one connection each)
         self.head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": u.netloc, **(headers or {})}.items())
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
@@ -220,7 +221,7 @@ class StreamClient:
         body = b"" if json is None else json_dumps(json).encode()
         request = (f"{method} {path} HTTP/1.1\r\n{self.head}Content-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-        async with asyncio.timeout(self.timeout):
+        async with self.slots, asyncio.timeout(self.timeout):
             reader, writer, status_line = await self._send(request)
             try:
                 resp = _Response(reader, *await _read_head(reader, status_line))
@@ -252,7 +253,7 @@ async def arun_endpoint(url: str, requests: list[BenchRequest], send_times: list
                                  timeout=httpx.Timeout(timeout, pool=None)) as client:
         server = {"url": url} | await probe_server(client, model)
         lean = http_client == "lean" and base.startswith("http://")      # (https: httpx)
-        sender, server["http_client"] = (StreamClient(base, headers, timeout), "lean") if lean else (client, "httpx")
+        sender, server["http_client"] = (StreamClient(base, headers, timeout, max_connections), "lean") if lean else (client, "httpx")
         bodies = [{"model": server["model"], "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens,
                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                   for r in requests]

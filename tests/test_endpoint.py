@@ -91,6 +91,15 @@ def test_offline_burst_and_explicit_model(server):
     assert res["errors"] == 0 and sum(r["num_output_tokens"] for r in res["per_request"]) == 96
 
 
+@pytest.mark.parametrize("http_client", ["lean", "httpx"])
+def test_both_clients_count_every_token_under_a_connection_limit(server, http_client):
+    "The benchmark's client and httpx: 24 requests at once, at most 3 in flight (max_connections), every token counted."
+    reqs = workload(n=24, out=4)
+    res = run_endpoint(server, reqs, None, api_key=KEY, max_connections=3, http_client=http_client)
+    assert res["errors"] == 0 and res["server"]["http_client"] == http_client
+    assert [r["num_output_tokens"] for r in res["per_request"]] == [4] * 24
+
+
 def test_wrong_key_is_errors_not_a_crash(server):
     reqs = workload(n=6)
     res = run_endpoint(server, reqs, [0.01 * i for i in range(6)], api_key="wrong")
