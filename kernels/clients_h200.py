@@ -403,9 +403,11 @@ def fork(model_dir, s: Settings, res: dict, dtype: str) -> None:
 
 
 # ---- 4. the server against the engine alone ----------------------------------------------------------------------
-def start_server(model_dir, kw: dict, dtype: str, device: str, log: Path, extra: tuple = ()):
-    "`python -m nanoserve.server` (with `extra` options) on a free loopback port: (process, URL)."
-    args = [sys.executable, "-m", "nanoserve.server", "--model", str(model_dir), "--port", "0", "--no-access-log",
+def start_server(model_dir, kw: dict, dtype: str, device: str, log: Path, extra: tuple = (),
+                 python_args: tuple = ("-m", "nanoserve.server")):
+    """`python -m nanoserve.server` (with `extra` options; `python_args` another way to run it, such as `-c` code
+    calling `nanoserve.server.main` under a profiler) on a free loopback port: (process, URL)."""
+    args = [sys.executable, *python_args, "--model", str(model_dir), "--port", "0", "--no-access-log",
             "--log-level", "warning", "--served-model-name", "clients", "--dtype", dtype, "--device", device,
             "--max-num-seqs", str(kw["max_num_seqs"]), "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),
             "--num-kv-blocks", str(kw["num_kv_blocks"]), *extra]

@@ -9,7 +9,7 @@ step at 256 rows, where these three kernels are ~13% of the 0.5B step (`decode25
 [H, I] (nn.Linear's layout) on the tensor cores; with SPLIT_K > 1 the programs of one output tile each take a
 slice of I and write fp32 partial sums, added by one torch reduction. `silu_mul_down` is the launcher,
 `silu_mul_down_ref` the reference. In the tutorials' order, for the 0.5B, Qwen3-0.6B and 7B shapes at each
-row count: check every configuration against the reference (relative error under 2% in bf16; a wrong one stops
+row count: check every configuration against the reference (`lab.rel_err` under 2% in bf16; a wrong one stops
 the run; one that does not fit the SM's resources is recorded as skipped), time each (`lab.graph_bench`:
 CUDA graphs over copies of the weights that overflow L2, two passes, flagged when they disagree by >15%) beside
 the control, write down256_h200.json with the best configuration per case and its ratio to the control.
@@ -19,7 +19,8 @@ import itertools, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import device_or_skip, disagree, graph_bench, is_smoke, median, parser, write   # noqa: E402
+from lab import (copies_for_l2, device_or_skip, disagree, graph_bench, is_smoke, median, parser,  # noqa: E402
+                 rel_err, write)
 
 import torch, triton, triton.language as tl                                          # noqa: E402
 
@@ -71,10 +72,6 @@ def silu_mul_down_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return silu_mul_ref(gate_up).to(gate_up.dtype) @ weight.t()
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-
-
 def one_case(H: int, I: int, M: int, configs: list[dict], device, dtype) -> dict:
     "Every configuration checked and timed at M rows of a (H, I) down projection, beside the control."
     g = torch.Generator(device=device).manual_seed(0)
@@ -82,14 +79,14 @@ def one_case(H: int, I: int, M: int, configs: list[dict], device, dtype) -> dict
     w = (torch.randn(H, I, device=device, dtype=dtype, generator=g) / I ** 0.5)
     ref = silu_mul_down_ref(gu, w)
     nbytes = w.numel() * w.element_size()
-    copies = [w] + [w.clone() for _ in range(max(0, (256 << 20) // nbytes)) if device.type == "cuda"][:31]
-    ctl = graph_bench(lambda i: (lambda: silu_mul(gu) @ copies[i % len(copies)].t()), nbytes, device=device)
+    copies = [w] + [w.clone() for _ in range(copies_for_l2(nbytes, device) - 1)]      # graph_bench's i-th call: copy i
+    ctl = graph_bench(lambda i: (lambda: silu_mul(gu) @ copies[i].t()), nbytes, device=device)
     rows = []
     for cfg in configs:
         try: err = rel_err(silu_mul_down(gu, w, **cfg), ref)
         except triton.runtime.errors.OutOfResources as e: rows.append({**cfg, "skipped": str(e)[:200]}); continue
         assert err < 0.02, f"H={H} I={I} M={M} {cfg}: relative error {err:.4f} against the reference"
-        us = graph_bench(lambda i: (lambda: silu_mul_down(gu, copies[i % len(copies)], **cfg)), nbytes, device=device)
+        us = graph_bench(lambda i: (lambda: silu_mul_down(gu, copies[i], **cfg)), nbytes, device=device)
         rows.append({**cfg, "error": err, "us": us, "disagree": len(us) > 1 and disagree(*us[:2])})
     timed = [r for r in rows if "us" in r]
     best = min(timed, key=lambda r: median(r["us"])) if timed else None

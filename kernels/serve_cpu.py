@@ -112,22 +112,12 @@ def main():
 
 def profile(path: Path, streams: int, tokens: int) -> None:
     "One run of the default server under cProfile (its main thread, the event loop); the top of it printed."
-    import pstats, re, subprocess
-    log = Path(tempfile.mkdtemp(prefix="serve-cpu-")) / "server.log"
-    serve_args = ["--model", str(tiny_model()), "--port", "0", "--no-access-log", "--log-level", "warning",
-                  "--served-model-name", "clients", "--dtype", "float32", "--device", "cpu",
-                  *(f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items())]
-    run = (f"import cProfile, sys; from nanoserve.server import main; sys.argv[1:] = {serve_args!r}; "
-           f"cProfile.run('main()', {str(path)!r})")        # (the engine's process is spawned from the module)
-    args = [sys.executable, "-c", run]
-    proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 300
-    while not (m := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)", log.read_text())):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill(); raise RuntimeError(log.read_text()[-2000:])
-        time.sleep(0.2)
-    measure(proc.pid, m.group(1), 2, 4)
-    measure(proc.pid, m.group(1), streams, tokens)
+    import pstats
+    code = f"import cProfile; from nanoserve.server import main; cProfile.run('main()', {str(path)!r})"
+    log = Path(tempfile.mkdtemp(prefix="serve-cpu-")) / "server.log"   # (the engine's process spawns from the module)
+    proc, url = start_server(tiny_model(), ENGINE, "float32", "cpu", log, python_args=("-c", code))
+    measure(proc.pid, url, 2, 4)
+    measure(proc.pid, url, streams, tokens)
     proc.send_signal(2); proc.wait(120)
     pstats.Stats(str(path)).sort_stats("tottime").print_stats(25)
 
