@@ -14,9 +14,10 @@ tutorials' order: every variant is checked against `decode_attention_ref` first 
 calls in one CUDA graph, twice (>15% apart flagged); GB/s = K and V of every context token, read once, over the
 time; the share is of the copy bandwidth measured in the same run.
 `--parts rope1` (also in the default): batch 1 as a decode-only engine step launches the kernel (RoPE inside, Qwen3's
-q/k norms folded in, PDL where the GPU has it) at short contexts, for each split count against the one CUDA graphs
-capture (`graphs.decode_splits` picks it for the longest context the engine allows), checked against the reference
-first; written under "rope1".
+q/k norms folded in, PDL where the GPU has it) at short contexts, Qwen3-0.6B's and Qwen2.5-0.5B's heads: each split
+count with every split merging (the control) against the count CUDA graphs capture (`graphs.decode_splits` picks
+it for the longest context the engine allows) running only the splits the context has tiles for (at least 1, 2 or
+4 tiles a split), checked against the reference first; written under "rope1".
 `--smoke`: one tiny shape on the CPU under the Triton interpreter, written only to a temporary folder.
 """
 import math, sys
@@ -116,41 +117,53 @@ def sweep(dev, name, H, KVH, D, B, max_ctx, pool_bytes, bw, smoke) -> list:
              "best": best, "shipped": base, "best_over_shipped": min(base["ms"]) / min(best["ms"])}]
 
 
+def rope1_case(dev, H, KVH, D, ctx, dtype, bs=16):
+    "One sequence of `ctx` tokens, its QKV row, cos/sin and Qwen3-style norms; the reference output and caches."
+    g = torch.Generator(device=dev).manual_seed(ctx)
+    nb = max(64, ctx // bs + 2)
+    kc = torch.randn(nb, bs, KVH, D, device=dev, dtype=dtype, generator=g); vc = torch.randn_like(kc)
+    table = torch.randperm(nb, device=dev, generator=g)[: -(-ctx // bs)].view(1, -1).to(torch.int32)
+    cl = torch.tensor([ctx], device=dev, dtype=torch.int32)
+    slot = (table[0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).view(1)
+    qkv = torch.randn(1, (H + 2 * KVH) * D, device=dev, dtype=dtype, generator=g)
+    ang = torch.rand(1, D // 2, device=dev, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    norm = tuple(1 + 0.5 * torch.randn(D, device=dev, generator=g) for _ in range(2))
+    norm = (norm[0].to(dtype), norm[1].to(dtype), 1e-6)
+    kr, vr = kc.float().clone(), vc.float().clone()
+    q_ref = rope_cache_ref(qkv.float(), cos.float(), sin.float(), slot, kr, vr, H, KVH,
+                           qk_norm=(norm[0].float(), norm[1].float(), 1e-6))
+    ref = decode_attention_ref(q_ref, kr, vr, table.long(), cl.long(), D ** -0.5)
+    return (kc, vc, table, cl, (qkv, cos, sin, slot), norm), ref
+
+
 def rope1(dev, bw, smoke) -> list:
-    """Batch 1, RoPE and Qwen3's norms inside, each split count at short contexts: the graphs' count (for a 40,960-token
-    context) against the others, each checked against rope_cache_ref + decode_attention_ref, then timed."""
-    H, KVH, D, bs = (4, 2, 16, 16) if smoke else (16, 8, 128, 16)
+    """Batch 1, RoPE and Qwen3's norms inside, at short contexts: every fixed split count with all splits merging
+    (the control, `splits_by_context=False`), and the graphs' count (for a 40,960-token context) with only the
+    splits the context has tiles for, at least 1, 2 or 4 tiles each; each checked against rope_cache_ref +
+    decode_attention_ref, then timed."""
     dtype = torch.float16 if smoke else torch.bfloat16
     pdl = pdl_supported(dev)
-    graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(bs), num_sms(dev))
+    shapes = {"tiny": (4, 2, 16)} if smoke else {"qwen3-0.6B": (16, 8, 128), "qwen2.5-0.5B": (14, 2, 64)}
     rows = []
-    for ctx in ((20,) if smoke else (64, 200, 512, 2048)):
-        g = torch.Generator(device=dev).manual_seed(ctx)
-        nb = max(64, ctx // bs + 2)
-        kc = torch.randn(nb, bs, KVH, D, device=dev, dtype=dtype, generator=g); vc = torch.randn_like(kc)
-        table = torch.randperm(nb, device=dev, generator=g)[: -(-ctx // bs)].view(1, -1).to(torch.int32)
-        cl = torch.tensor([ctx], device=dev, dtype=torch.int32)
-        slot = (table[0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).view(1)
-        qkv = torch.randn(1, (H + 2 * KVH) * D, device=dev, dtype=dtype, generator=g)
-        ang = torch.rand(1, D // 2, device=dev, generator=g) * 6
-        cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-        norm = tuple(1 + 0.5 * torch.randn(D, device=dev, generator=g) for _ in range(2))
-        norm = (norm[0].to(dtype), norm[1].to(dtype), 1e-6)
-        kr, vr = kc.float().clone(), vc.float().clone()
-        q_ref = rope_cache_ref(qkv.float(), cos.float(), sin.float(), slot, kr, vr, H, KVH,
-                               qk_norm=(norm[0].float(), norm[1].float(), 1e-6))
-        ref = decode_attention_ref(q_ref, kr, vr, table.long(), cl.long(), D ** -0.5)
-        out = torch.empty(1, H, D, device=dev, dtype=dtype)
-        for splits in (1, 2, 4, 8, 16):
-            call = lambda: decode_attention(None, kc, vc, table, cl, D ** -0.5, ctx, num_splits=splits, out=out,
-                                            pdl=pdl, rope=(qkv, cos, sin, slot), qk_norm=norm)
-            call()
-            err = rel_err(out.float(), ref)
-            assert err < 2e-2, (ctx, splits, err)
-            t, flag = graph_ms([call] * (2 if smoke else 16), dev)
-            rows.append({"ctx": ctx, "splits": splits, "graphs_splits": graphs_splits, "rel_err": err, "ms": t,
-                         "disagree": flag, "pdl": pdl})
-            print("rope1", rows[-1], flush=True)
+    for name, (H, KVH, D) in shapes.items():
+        graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(16), num_sms(dev))
+        variants = [(s, False, 1) for s in (1, 2, 4, 8, 16)] + [(graphs_splits, True, m) for m in (1, 2, 4)]
+        for ctx in ((20,) if smoke else (64, 200, 512, 1024, 2048)):
+            (kc, vc, table, cl, rope, norm), ref = rope1_case(dev, H, KVH, D, ctx, dtype)
+            out = torch.empty(1, H, D, device=dev, dtype=dtype)
+            for splits, by_context, min_tiles in variants:
+                call = lambda: decode_attention(None, kc, vc, table, cl, D ** -0.5, ctx, num_splits=splits, out=out,
+                                                pdl=pdl, rope=rope, qk_norm=norm, splits_by_context=by_context,
+                                                min_split_tiles=min_tiles)
+                call()
+                err = rel_err(out.float(), ref)
+                assert err < 2e-2, (name, ctx, splits, by_context, min_tiles, err)
+                t, flag = graph_ms([call] * (2 if smoke else 16), dev)
+                rows.append({"shape": name, "ctx": ctx, "splits": splits, "splits_by_context": by_context,
+                             "min_split_tiles": min_tiles, "graphs_splits": graphs_splits, "rel_err": err, "ms": t,
+                             "disagree": flag, "pdl": pdl})
+                print("rope1", rows[-1], flush=True)
     return rows
 
 

@@ -18,10 +18,11 @@ from .runtime import (
 
 # %% auto #0
 __all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
-           'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'decode_finish',
-           'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n',
-           'dot_precision', 'choose_num_splits', 'split_buffers', 'decode_attention', 'prefill_attention_ref',
-           'prefill_block_m', 'prefill_tile_map', 'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
+           'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'with_new_token',
+           'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel',
+           'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits',
+           'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
+           'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
 def head_rms_norm_ref(x, weight, eps: float):
@@ -171,8 +172,9 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
                 t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr, k_norm_ptr, eps,
                 NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 TILE_N: tl.constexpr, QK_NORM: tl.constexpr):
-    """The query heads [BLOCK_G, D] of token `seq`'s QKV row, rotated. Its KV head's key (rotated) and value go to
-    the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the context's last)."""
+    """(query heads [BLOCK_G, D], key [1, D], value [1, D]) of token `seq`'s QKV row, query and key rotated. Key and
+    value also go to the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the
+    context's last); that program takes them from these registers, not from the cache (`with_new_token`)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     row = q_ptr + seq * stride_qt
     first = (d < HALF)[None, :]
@@ -197,19 +199,52 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
         tl.store(k_cache_ptr + dst, k_new)
         tl.store(v_cache_ptr + dst, v_new)
-    tl.debug_barrier()                                # the slot written before any thread of the program reads it
-    return q
+    return q, k_new, v_new
+
+
+@triton.jit
+def with_new_token(k, v, k_new, v_new, pos, last):
+    "A tile's keys and values [TILE_N, D] with the row at position `last` replaced by this step's key and value."
+    new = (pos == last)[:, None]
+    return tl.where(new, k_new, k), tl.where(new, v_new, v)
 
 # %% ../nbs/06_attention.ipynb #3f8b1d57
 @triton.jit
+def store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh):
+    "A program's normalised output [BLOCK_G, D] to `out` (the program had every tile of its context)."
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gm)
+
+
+@triton.jit
+def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, num_used, stride_ot, stride_oh,
+                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    "The first `num_used` splits' partials of (sequence, KV head) weighed by their log-sum-exps, into `out`."
+    s = tl.arange(0, NUM_SPLITS)
+    rows = (seq * NUM_HEADS + heads[:, None]) * NUM_SPLITS + s[None, :]              # [BLOCK_G, S]
+    lse = tl.load(part_lse_ptr + rows, mask=gm, other=0.0, cache_modifier=".cg")
+    lse = tl.where(s[None, :] < num_used, lse, float("-inf"))                        # unused splits weigh nothing
+    w = tl.exp2(lse - tl.reduce(lse, 1, max_fn)[:, None])
+    w = w / tl.reduce(w, 1, add_fn)[:, None]                                           # [BLOCK_G, S]
+    used = gm[:, :, None] & (s[None, :, None] < num_used)
+    o = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=used, other=0.0,
+                cache_modifier=".cg")                                                 # [BLOCK_G, S, D]
+    out = tl.reduce(o * w[:, :, None], 1, add_fn)                                      # [BLOCK_G, D]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gm)
+
+
+@triton.jit
 def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
-                  stride_ot, stride_oh, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  num_used, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr):
-    "Store a decode program's output; with several splits its partial, and the last split merges them all."
+    """Store a decode program's output. With several splits, each of the `num_used` that have tiles stores its
+    partial and the last of them merges; when `num_used` is 1 the one split stores its output as is."""
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gm)
+        store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh)
+    elif num_used == 1:                                                     # a context of one split's tiles
+        store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh)
     else:
         row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split                # [BLOCK_G]
         out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)          # an empty split writes zeros
@@ -218,18 +253,26 @@ def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_pt
         if MERGE:                                                           # the last split merges them all
             tl.debug_barrier()                                              # all of this program's stores ...
             c = counter_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(c, 1, sem="acq_rel") == NUM_SPLITS - 1:      # ... before the others can see it
-                s = tl.arange(0, NUM_SPLITS)
-                rows = (seq * NUM_HEADS + heads[:, None]) * NUM_SPLITS + s[None, :]          # [BLOCK_G, S]
-                lse = tl.load(part_lse_ptr + rows, mask=gm, other=0.0, cache_modifier=".cg")
-                w = tl.exp2(lse - tl.reduce(lse, 1, max_fn)[:, None])
-                w = w / tl.reduce(w, 1, add_fn)[:, None]                                       # [BLOCK_G, S]
-                o = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=gm[:, :, None],
-                            other=0.0, cache_modifier=".cg")                                  # [BLOCK_G, S, D]
-                out = tl.reduce(o * w[:, :, None], 1, add_fn)                                  # [BLOCK_G, D]
-                tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=gm)
+            if tl.atomic_add(c, 1, sem="acq_rel") == num_used - 1:         # ... before the others can see it
+                merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, num_used, stride_ot, stride_oh,
+                             NUM_HEADS, HEAD_DIM, NUM_SPLITS)
                 tl.atomic_xchg(c, 0)                                        # zero again for the next launch
+
+# %% ../nbs/06_attention.ipynb #23de061a
+@triton.jit
+def split_tiles(ctx, split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_CONTEXT: tl.constexpr,
+                MIN_SPLIT_TILES: tl.constexpr):
+    """(first tile, end tile, splits with tiles) of program `split` over a context of `ctx` keys. `BY_CONTEXT`: a
+    split takes at least `MIN_SPLIT_TILES` tiles and only the splits with tiles count; else all NUM_SPLITS do."""
+    num_tiles = (ctx + TILE_N - 1) // TILE_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    if BY_CONTEXT:
+        tiles_per_split = tl.maximum(tiles_per_split, MIN_SPLIT_TILES)
+        num_used = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
+    else:
+        num_used = NUM_SPLITS
+    t_begin = split * tiles_per_split
+    return t_begin, tl.minimum(t_begin + tiles_per_split, num_tiles), num_used
 
 # %% ../nbs/06_attention.ipynb #c336a4c0
 @triton.jit
@@ -241,26 +284,26 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
                             ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
-                            DOT_PRECISION: tl.constexpr = "tf32"):
+                            DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False,
+                            MIN_SPLIT_TILES: tl.constexpr = 1):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    num_tiles = (ctx + TILE_N - 1) // TILE_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    t_begin = split * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    t_begin, t_end, num_used = split_tiles(ctx, split, TILE_N, NUM_SPLITS, BY_CONTEXT, MIN_SPLIT_TILES)
+    if split >= num_used: return            # a split past the context's tiles (only under BY_CONTEXT)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, TILE_N)
     heads = kvh * G + g
     gm = g[:, None] < G
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
-        q = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm,
-                        d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr,
-                        k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE, TILE_N, QK_NORM)
+        q, k_new, v_new = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx,
+                                      kvh, heads, gm, d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs,
+                                      stride_ch, q_norm_ptr, k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE,
+                                      TILE_N, QK_NORM)
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
@@ -272,11 +315,12 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         valid = pos < ctx
         k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, valid, kvh, d,
                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+        if ROPE: k, v = with_new_token(k, v, k_new, v_new, pos, ctx - 1)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
     decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
-                  stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
+                  num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
 
 # %% ../nbs/06_attention.ipynb #6b8f2d9e
 @triton.jit
@@ -335,13 +379,16 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 # %% ../nbs/06_attention.ipynb #9c1e5b70
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
-                     rope: tuple | None = None, qk_norm: tuple | None = None):
+                     rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
+                     min_split_tiles: int = 1):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
     `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
     writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context), with
-    `qk_norm` = (q weight, k weight, eps) normalising each head first."""
+    `qk_norm` = (q weight, k weight, eps) normalising each head first. `splits_by_context` (with the in-kernel
+    merge): only the splits a context gives tiles to, each at least `min_split_tiles`, run and merge (False: all
+    `num_splits`, the control)."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -366,7 +413,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(k_cache),
-        num_warps=4, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, MIN_SPLIT_TILES=min_split_tiles, num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
@@ -471,23 +518,27 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
 
 # %% ../nbs/06_attention.ipynb #8ca92d60
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
-                    pdl: bool = False, rope_in_decode: bool = True, qk_norm: tuple | None = None):
+                    pdl: bool = False, rope_in_decode: bool = True, qk_norm: tuple | None = None,
+                    splits_by_context: bool = True):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
     kernels use programmatic dependent launch (the runtime chapter). A decode-only step with `rope_in_decode` is
     one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control).
-    `qk_norm` = (q weight, k weight, eps): Qwen3's per-head norm, done by whichever kernel rotates."""
+    `qk_norm` = (q weight, k weight, eps): Qwen3's per-head norm, done by whichever kernel rotates.
+    `splits_by_context`: the decode kernel runs only the splits each context has tiles for (False: all, the control)."""
     nd = meta.num_decode_tokens
     if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                 meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,
-                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm)
+                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm,
+                                splits_by_context=splits_by_context)
     q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl,
                    qk_norm=qk_norm)
     out = torch.empty_like(q)
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                         meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out[:nd], pdl=pdl)
+                         meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out[:nd], pdl=pdl,
+                         splits_by_context=splits_by_context)
     if nd < q.shape[0]:
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q_lens,
                           meta.prefill_start_pos, meta.prefill_max_q_len, scale, out=out[nd:],

@@ -40,6 +40,7 @@ class KernelConfig:
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
+    decode_splits_by_context: bool = True  # the decode kernel runs only the splits a context has tiles for
     qk_norm_in_attention: bool = True      # Qwen3's q/k norms inside the RoPE kernels (False: norms of their own)
     fast_argmax: bool = True               # up to 16 rows: `argmax_rows` (many programs a row), not torch's
     cuda_graphs: bool = True               # False: every step runs eagerly
@@ -78,8 +79,9 @@ def resolve_kernels(k: KernelConfig, device: torch.device) -> KernelConfig:
 def model_kernels(k: KernelConfig) -> ModelKernels:
     "The forward pass's kernel table for a resolved `KernelConfig`."
     if k.attention_backend == "torch": attention = paged_attention_ref
-    elif k.rope_in_decode: attention = paged_attention
-    else: attention = partial(paged_attention, rope_in_decode=False)
+    elif k.rope_in_decode and k.decode_splits_by_context: attention = paged_attention
+    else: attention = partial(paged_attention, rope_in_decode=k.rope_in_decode,
+                              splits_by_context=k.decode_splits_by_context)
     return ModelKernels(attention=attention,
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
@@ -471,9 +473,11 @@ class RunnerSetup:
         return self.penalty_counts
 
 # %% ../nbs/10_runner.ipynb #892fda7d
-def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device) -> None:
+def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device,
+                            splits_by_context: bool = True) -> None:
     """Compile every variant of the Triton decode kernel an eager step can launch: split-K of 1 to 16, with RoPE
-    inside and without, as the model's kernel table launches them. Writes nothing (the one slot is -1)."""
+    inside and without, as the model's kernel table launches them (`splits_by_context` as its `KernelConfig` says).
+    Writes nothing (the one slot is -1)."""
     k_cache, v_cache = kv_caches[0]
     attn, kernels = model.layers[0].self_attn, model.kernels
     H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -485,9 +489,10 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     norm = None
     if attn.q_norm is not None and kernels.qk_norm_in_attention: norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
     for splits in (1, 2, 4, 8, 16):
-        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, pdl=kernels.pdl)
+        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, pdl=kernels.pdl,
+                         splits_by_context=splits_by_context)
         decode_attention(None, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, out=torch.empty_like(q),
-                         pdl=kernels.pdl, rope=(qkv, cos, cos, slots), qk_norm=norm)
+                         pdl=kernels.pdl, rope=(qkv, cos, cos, slots), qk_norm=norm, splits_by_context=splits_by_context)
 
 # %% ../nbs/10_runner.ipynb #7a5489c9
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
@@ -585,7 +590,7 @@ class RunnerGraphs(RunnerSetup):
     @torch.inference_mode()
     def compile_kernels(self) -> None:
         "Compile the decode kernel's variants now (a second each, then a disk-cache hit), not mid-request."
-        compile_decode_variants(self.model, self.kv_caches, self.device)
+        compile_decode_variants(self.model, self.kv_caches, self.device, self.kernels.decode_splits_by_context)
 
 # %% ../nbs/10_runner.ipynb #f70fead4
 class RunnerHost(RunnerGraphs):
