@@ -33,7 +33,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
 8. qrow: the 7B quantized projections at one row, the GEMV against the tensor-core GEMM.
 9. profileb1: the profile at batch 1 alone, for the defaults and each control; profile7bq: the 7B at batch 1, bf16,
    INT4, and INT4 with the LM head quantized; gemv05: the gemv sweep for the 0.5B
-   shapes only (1024-wide K tiles tried first); gemvfam: the same for Qwen3-0.6B; profileq3: the
+   shapes only (1024-wide K tiles tried first); gemvfam: the same for Qwen3-0.6B; gemvfam2: for Qwen3-1.7B,
+   Llama-3.2-1B and Llama-3.1-8B (whose projections are Mistral-7B's); profileq3: the
    profile of Qwen3-0.6B at batch 1; profile256: the profile at 256 rows from 1,000-token contexts (nano-vllm's
    workload at its widest), under "long"; rate1b / rate7bb: as rate / rate7b, under "rate_after";
 10. ab / ab7b: an interleaved A/B: the defaults and a control (`--before`: a configuration name whose phrases
@@ -632,6 +633,7 @@ def main():
              "splits": lambda: split_sweep(res, RUN["split_cases"], RUN["splits"]),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
              "gemvfam": lambda: gemv_sweep(res, shapes=("qwen3-0.6B",), budget_s=120.0),
+             "gemvfam2": lambda: gemv_sweep(res, shapes=("qwen3-1.7B", "llama3.2-1B", "llama3.1-8B"), budget_s=150.0),
              "profileq3": lambda: profile(checkpoint("qwen3-0.6B", args)[0], res, batches=(1,), **tiny),
              "ab": lambda: interleaved(d05, res, s05, **ab_kw, before=args.before.split(";")[0]),
              "ab1": lambda: [interleaved(d05, res, s05, batches=(1,), rounds=10, before=b)

@@ -258,7 +258,7 @@ def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_pt
                              NUM_HEADS, HEAD_DIM, NUM_SPLITS)
                 tl.atomic_xchg(c, 0)                                        # zero again for the next launch
 
-# %% ../nbs/06_attention.ipynb #23de061a
+# %% ../nbs/06_attention.ipynb #737337e2
 @triton.jit
 def split_tiles(ctx, split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_CONTEXT: tl.constexpr,
                 MIN_SPLIT_TILES: tl.constexpr):
@@ -293,7 +293,6 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     t_begin, t_end, num_used = split_tiles(ctx, split, TILE_N, NUM_SPLITS, BY_CONTEXT, MIN_SPLIT_TILES)
-    if split >= num_used: return            # a split past the context's tiles (only under BY_CONTEXT)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, TILE_N)
@@ -319,8 +318,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
-    decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
-                  num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
+    if split < num_used:                    # a split past the context's tiles (only under BY_CONTEXT) stores nothing
+        decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g,
+                      gm, d, num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
 
 # %% ../nbs/06_attention.ipynb #6b8f2d9e
 @triton.jit

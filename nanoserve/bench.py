@@ -23,8 +23,8 @@ from .yardsticks import run_hf_continuous, run_hf_static
 
 # %% auto #0
 __all__ = ['DISAGREE', 'FAMILY_CONFIGS', 'SHAPE_CONFIGS', 'WorkloadSpec', 'BenchRequest', 'make_workload', 'poisson_send_times',
-           'percentile', 'summarize', 'warm_up_engine', 'PausedClock', 'ProfileWindow', 'request_record', 'run_result',
-           'run_nanoserve', 'parse_engine', 'run_worker', 'worker_main', 'model_limits', 'physical_limit',
+           'percentile', 'summarize', 'run_params', 'warm_up_engine', 'PausedClock', 'ProfileWindow', 'request_record',
+           'run_result', 'run_nanoserve', 'parse_engine', 'run_worker', 'worker_main', 'model_limits', 'physical_limit',
            'run_benchmark', 'failure_reason', 'report', 'plot_results', 'shape_config', 'random_checkpoint',
            'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args', 'engine_kwargs_from_args',
            'results_path', 'save_results', 'write_results', 'model_dir_from_args', 'run_command', 'main']
@@ -165,17 +165,23 @@ def _engine_kwargs(engine_kwargs: dict | None, policy: str, batch_size: int | No
     return kw
 
 # %% ../nbs/15_bench.ipynb #28fe88fb
+def run_params(r: BenchRequest, max_tokens: int | None = None) -> SamplingParams:
+    "A benchmark request's sampling: greedy, EOS ignored, its own output length (or `max_tokens`)."
+    return SamplingParams(max_tokens=r.max_tokens if max_tokens is None else max_tokens, temperature=0, ignore_eos=True)
+
+
 def warm_up_engine(llm: LLM, requests: list[BenchRequest], warmup_s: float) -> None:
     """Compile every shape class the run needs before the clock starts, warm the GPU, and leave no trace in the ledger.
     A batch as large as the engine runs, prompts as long as the workload's (fresh random ids, so the prefix cache
-    gains nothing): first all at once (prefill-only steps, then decode-only), then one admission per step, so the
-    mixed steps of arrivals joining a running batch compile too (Triton's disk cache would otherwise favour later runs)."""
+    gains nothing), sampled as the run samples (`run_params`: the same sampler graphs and kernels): first all at
+    once (prefill-only steps, then decode-only), then one admission per step, so the mixed steps of arrivals joining
+    a running batch compile too (Triton's disk cache would otherwise favour later runs)."""
     g, vocab = random.Random(12345), llm.model.config.vocab_size
     warm = [[g.randrange(vocab) for _ in r.prompt_token_ids] for r in requests[:llm.scheduler_config.max_num_seqs]]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = [run_params(r, max_tokens=16) for r in requests[:len(warm)]]
     llm.generate(warm, params)
-    for ids in warm:
-        llm.add_request([g.randrange(vocab) for _ in ids], params, stream=False)
+    for ids, p in zip(warm, params):
+        llm.add_request([g.randrange(vocab) for _ in ids], p, stream=False)
         llm.step()
     while llm.has_unfinished_requests(): llm.step()
     warm_gpu(warmup_s, llm.device)
@@ -252,7 +258,7 @@ def run_nanoserve(model_dir, requests: list[BenchRequest], send_times: list[floa
                   profile_after: int = 8, profile_steps: int = 16, progress: bool = False) -> dict:
     "Serve `requests` with our engine; per-request timings, the step ledger and the profiled window."
     llm = LLM(model_dir, **_engine_kwargs(engine_kwargs, policy, batch_size))
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    params = [run_params(r) for r in requests]
     warm_up_engine(llm, requests, warmup_s)
     send = send_times or [0.0] * len(requests)
     order = sorted(range(len(requests)), key=lambda i: send[i])
