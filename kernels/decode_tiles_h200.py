@@ -16,8 +16,7 @@ time; the share is of the copy bandwidth measured in the same run.
 `--parts rope1` (also in the default): batch 1 as a decode-only engine step launches the kernel (RoPE inside, Qwen3's
 q/k norms folded in, PDL where the GPU has it) at short contexts, Qwen3-0.6B's and Qwen2.5-0.5B's heads: each split
 count with every split merging (the control) against the count CUDA graphs capture (`graphs.decode_splits` picks
-it for the longest context the engine allows) running only the splits the context has tiles for (at least 1, 2 or
-4 tiles a split), checked against the reference first; written under "rope1".
+it for the longest context the engine allows) running only the splits the context has tiles for, checked against the reference first; written under "rope1".
 `--smoke`: one tiny shape on the CPU under the Triton interpreter, written only to a temporary folder.
 """
 import math, sys
@@ -140,7 +139,7 @@ def rope1_case(dev, H, KVH, D, ctx, dtype, bs=16):
 def rope1(dev, bw, smoke) -> list:
     """Batch 1, RoPE and Qwen3's norms inside, at short contexts: every fixed split count with all splits merging
     (the control, `splits_by_context=False`), and the graphs' count (for a 40,960-token context) with only the
-    splits the context has tiles for, at least 1, 2 or 4 tiles each; each checked against rope_cache_ref +
+    splits the context has tiles for; each checked against rope_cache_ref +
     decode_attention_ref, then timed."""
     dtype = torch.float16 if smoke else torch.bfloat16
     pdl = pdl_supported(dev)
@@ -148,20 +147,19 @@ def rope1(dev, bw, smoke) -> list:
     rows = []
     for name, (H, KVH, D) in shapes.items():
         graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(16), num_sms(dev))
-        variants = [(s, False, 1) for s in (1, 2, 4, 8, 16)] + [(graphs_splits, True, m) for m in (1, 2, 4)]
+        variants = [(s, False) for s in (1, 2, 4, 8, 16)] + [(graphs_splits, True)]
         for ctx in ((20,) if smoke else (64, 200, 512, 1024, 2048)):
             (kc, vc, table, cl, rope, norm), ref = rope1_case(dev, H, KVH, D, ctx, dtype)
             out = torch.empty(1, H, D, device=dev, dtype=dtype)
-            for splits, by_context, min_tiles in variants:
+            for splits, by_context in variants:
                 call = lambda: decode_attention(None, kc, vc, table, cl, D ** -0.5, ctx, num_splits=splits, out=out,
-                                                pdl=pdl, rope=rope, qk_norm=norm, splits_by_context=by_context,
-                                                min_split_tiles=min_tiles)
+                                                pdl=pdl, rope=rope, qk_norm=norm, splits_by_context=by_context)
                 call()
                 err = rel_err(out.float(), ref)
-                assert err < 2e-2, (name, ctx, splits, by_context, min_tiles, err)
+                assert err < 2e-2, (name, ctx, splits, by_context, err)
                 t, flag = graph_ms([call] * (2 if smoke else 16), dev)
                 rows.append({"shape": name, "ctx": ctx, "splits": splits, "splits_by_context": by_context,
-                             "min_split_tiles": min_tiles, "graphs_splits": graphs_splits, "rel_err": err, "ms": t,
+                             "graphs_splits": graphs_splits, "rel_err": err, "ms": t,
                              "disagree": flag, "pdl": pdl})
                 print("rope1", rows[-1], flush=True)
     return rows

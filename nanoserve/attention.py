@@ -260,15 +260,13 @@ def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_pt
 
 # %% ../nbs/06_attention.ipynb #737337e2
 @triton.jit
-def split_tiles(ctx, split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_CONTEXT: tl.constexpr,
-                MIN_SPLIT_TILES: tl.constexpr):
-    """(first tile, end tile, splits with tiles) of program `split` over a context of `ctx` keys. `BY_CONTEXT`: a
-    split takes at least `MIN_SPLIT_TILES` tiles and only the splits with tiles count; else all NUM_SPLITS do."""
+def split_tiles(ctx, split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_CONTEXT: tl.constexpr):
+    """(first tile, end tile, splits with tiles) of program `split` over a context of `ctx` keys: `NUM_SPLITS` equal
+    runs of tiles. `BY_CONTEXT`: only the splits that get tiles count (at least one); else all NUM_SPLITS do."""
     num_tiles = (ctx + TILE_N - 1) // TILE_N
     tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     if BY_CONTEXT:
-        tiles_per_split = tl.maximum(tiles_per_split, MIN_SPLIT_TILES)
-        num_used = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
+        num_used = tl.maximum((num_tiles + tiles_per_split - 1) // tl.maximum(tiles_per_split, 1), 1)
     else:
         num_used = NUM_SPLITS
     t_begin = split * tiles_per_split
@@ -284,15 +282,14 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
                             ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
-                            DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False,
-                            MIN_SPLIT_TILES: tl.constexpr = 1):
+                            DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    t_begin, t_end, num_used = split_tiles(ctx, split, TILE_N, NUM_SPLITS, BY_CONTEXT, MIN_SPLIT_TILES)
+    t_begin, t_end, num_used = split_tiles(ctx, split, TILE_N, NUM_SPLITS, BY_CONTEXT)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, TILE_N)
@@ -379,16 +376,14 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 # %% ../nbs/06_attention.ipynb #9c1e5b70
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
-                     rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
-                     min_split_tiles: int = 1):
+                     rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
     `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
     writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context), with
     `qk_norm` = (q weight, k weight, eps) normalising each head first. `splits_by_context` (with the in-kernel
-    merge): only the splits a context gives tiles to, each at least `min_split_tiles`, run and merge (False: all
-    `num_splits`, the control)."""
+    merge): only the splits a context gives tiles to store and merge (False: all `num_splits`, the control)."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -413,7 +408,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(k_cache),
-        BY_CONTEXT=merge and splits_by_context, MIN_SPLIT_TILES=min_split_tiles, num_warps=4, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 

@@ -341,7 +341,7 @@ def argmax_rows(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out
 
 # %% ../nbs/07_fused.ipynb #cd38432a
-@triton.jit
+@triton.jit(do_not_specialize=["n"])      # the number of rows changes from step to step: one compile
 def copy_rows_kernel(dst_ptr, dst_rows_ptr, src_ptr, src_rows_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -358,7 +358,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
     if n: copy_rows_kernel[(triton.cdiv(n, 256),)](dst, dst_rows, src, src_rows, n, BLOCK=256, num_warps=4)
 
 # %% ../nbs/07_fused.ipynb #10bd019f
-@triton.jit
+@triton.jit(do_not_specialize=["bucket", "width", "num_feeds", "num_rows", "num_entries"])   # one compile for all steps
 def load_step_kernel(packed_ptr, small_ptr, tables_ptr, feed_rows_ptr, samples_ptr, which_ptr, bucket, width,
                      stride_small, stride_tables, num_feeds, num_rows, num_entries, BLOCK: tl.constexpr,
                      KEPT: tl.constexpr):
