@@ -4,8 +4,8 @@
         [--shapes 0.5B,qwen3-0.6B] [--batches 1,64] [--rounds 4] [--name splits_ab_h200.json]
 
 `--field` is any boolean keyword of `LLM` (a `KernelConfig` or `SchedulerConfig` field); the package's default is
-"on" and its opposite the control. For each shape (bf16, random weights, the package's defaults otherwise: CUDA
-graphs, asynchronous scheduling) two engines, each with its own KV blocks. In the tutorials' order: check (the same
+"on" and its opposite the control. For each shape (bf16, random weights drawn on the GPU, the package's defaults
+otherwise: CUDA graphs, asynchronous scheduling) two engines, each with its own `--kv-blocks` KV blocks. In the tutorials' order: check (the same
 greedy tokens from both engines for the same 8 requests), time (for each batch, each engine in steady decode from
 `--prompt-len`-token prompts, the GPU warmed before every row, ms per `LLM.step()` over `--steps` steps, measured
 twice and flagged when the two disagree by over 15%; the engines alternate, the order flipping each round), write.
@@ -15,8 +15,8 @@ import gc, sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, SamplingParams, checkpoint, device_or_skip, dtype_of, is_smoke, median, parser,  # noqa: E402
-                 steady_decode, sync, warm, write)
+from lab import (LLM, SamplingParams, device_or_skip, dtype_of, is_smoke, median, parser,  # noqa: E402
+                 random_checkpoint, steady_decode, sync, tiny_model, warm, write)
 
 
 def step_ms(llm, steps: int) -> float:
@@ -38,12 +38,12 @@ def same_tokens(engines: dict) -> bool:
 
 def one_shape(shape: str, args, device, smoke: bool) -> dict:
     "Both engines of one shape: checked, then timed round by round."
-    model_dir, name = checkpoint(shape, args)
+    model_dir, name = (tiny_model(), "tiny") if smoke else (random_checkpoint(shape, device=device.type), shape)
     batches = (1, 4) if smoke else tuple(int(b) for b in args.batches.split(","))
     steps, rounds = (5, 1) if smoke else (args.steps, args.rounds)
     engines = {on: LLM(model_dir, dtype=dtype_of(args), device=device.type, max_num_seqs=max(batches),
                        max_num_batched_tokens=max(4096, args.prompt_len * max(batches)),
-                       num_kv_blocks=512 if smoke else 20000, **{args.field: on}) for on in (True, False)}
+                       num_kv_blocks=512 if smoke else args.kv_blocks, **{args.field: on}) for on in (True, False)}
     same = same_tokens(engines)
     assert same, (shape, "the engines' greedy tokens differ")
     ms = {b: {"on": [], "off": []} for b in batches}
@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--name", default="step_ab_h200.json")
+    ap.add_argument("--kv-blocks", type=int, default=20000, help="KV blocks of each engine")
     args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)

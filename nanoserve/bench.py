@@ -371,14 +371,15 @@ def _run_process(cmd: list[str], env: dict, timeout: float | None, echo: bool) -
 
 # %% ../nbs/15_bench.ipynb #82d044ca
 def _spawn(job: dict, timeout: float | None) -> dict:
-    """Run `job` in a fresh Python process; return its result. A failed worker raises a RuntimeError whose first line
-    is the worker's own reason (the exception it wrote), followed by the end of its traceback."""
+    """Run `job` in a fresh Python process on this process's package (`-P`: the working directory is not put first on
+    the path, where a checkout's `nanoserve/` would shadow it); return its result. A failed worker raises a
+    RuntimeError whose first line is the worker's own reason (the exception it wrote), then its traceback's end."""
     with tempfile.TemporaryDirectory() as d:
         jp, rp = Path(d) / "job.json", Path(d) / "result.json"
         jp.write_text(json.dumps(job))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_package_dir().parent)]
                                                            + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        rc, tail = _run_process([sys.executable, "-m", "nanoserve.bench", "_worker", str(jp), str(rp)], env,
+        rc, tail = _run_process([sys.executable, "-P", "-m", "nanoserve.bench", "_worker", str(jp), str(rp)], env,
                                 timeout, echo=bool(job.get("progress")))
         res = json.loads(rp.read_text()) if rp.is_file() and rp.stat().st_size else {}
         if rc != 0 or "error" in res:      # no result file: a crash (a signal, out of memory); its stderr says why

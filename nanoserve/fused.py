@@ -225,9 +225,10 @@ def gemv_rule(N: int, K: int, sms: int, config: dict | None = None) -> dict:
     return cfg
 
 
-def gemv_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
-    "Blocks, warps, stages and split of `gemv` for an `[N, K]` weight: the rule, then `gemv_table()`, then `config`."
-    return gemv_rule(N, K, sms, {**gemv_table().get((N, K), {}), **(config or {})})
+def gemv_config(N: int, K: int, sms: int, config: dict | None = None, tuned: bool = True) -> dict:
+    """Blocks, warps, stages and split of `gemv` for an `[N, K]` weight: the rule, then `gemv_table()` (unless not
+    `tuned`: the table's control), then `config`."""
+    return gemv_rule(N, K, sms, {**(gemv_table().get((N, K), {}) if tuned else {}), **(config or {})})
 
 # %% ../nbs/07_fused.ipynb #6b2d9f19
 def check_gemv_args(x, weight, act: bool, norm: tuple | None, residual: torch.Tensor | None) -> None:
@@ -247,13 +248,14 @@ def check_gemv_args(x, weight, act: bool, norm: tuple | None, residual: torch.Te
 # %% ../nbs/07_fused.ipynb #6b2d9f22
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
          config: dict | None = None, pdl: bool = False, norm: tuple | None = None,
-         residual: torch.Tensor | None = None):
+         residual: torch.Tensor | None = None, tuned: bool = True):
     """`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up
     goes in. With `norm` = (norm weight [K], eps), RMSNorm of `x` (+ `residual`) goes in, as `add_rmsnorm` computes
-    it, and the result is `(out, new residual)`: `x + residual`, or `x` itself without a residual."""
+    it, and the result is `(out, new residual)`: `x + residual`, or `x` itself without a residual. `tuned=False`:
+    the rule's blocks even where the table has the shape (the table's control)."""
     N, K = weight.shape
     check_gemv_args(x, weight, act, norm, residual)
-    cfg = gemv_config(N, K, num_sms(x.device), config)
+    cfg = gemv_config(N, K, num_sms(x.device), config, tuned)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(x) if residual is not None else x                                  # [1, K]
     split = cfg["SPLIT_K"] > 1

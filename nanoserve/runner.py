@@ -37,6 +37,7 @@ class KernelConfig:
     attention_backend: str | None = None   # "torch" (the model chapter's) or "triton" (the attention chapter's)
     fused_kernels: bool | None = None      # RMSNorm (+ residual) and SiLU x mul as single Triton kernels
     row_gemv: bool | None = None           # one-row steps' projections as the fused chapter's `gemv`
+    tuned_gemv: bool = True                # the `gemv` takes its shape's blocks from the H200 table (False: the rule)
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
@@ -85,7 +86,7 @@ def model_kernels(k: KernelConfig) -> ModelKernels:
     return ModelKernels(attention=attention,
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
-                        gemv=gemv if k.row_gemv else None,
+                        gemv=(gemv if k.tuned_gemv else partial(gemv, tuned=False)) if k.row_gemv else None,
                         norm_in_gemv=k.norm_in_gemv, pdl=bool(k.pdl),
                         qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention)
 
