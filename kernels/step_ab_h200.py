@@ -45,7 +45,7 @@ def one_shape(shape: str, args, device, smoke: bool) -> dict:
                        max_num_batched_tokens=max(4096, args.prompt_len * max(batches)),
                        num_kv_blocks=512 if smoke else args.kv_blocks, **{args.field: on}) for on in (True, False)}
     same = same_tokens(engines)
-    assert same, (shape, "the engines' greedy tokens differ")
+    assert same or not args.token_check, (shape, "the engines' greedy tokens differ")
     ms = {b: {"on": [], "off": []} for b in batches}
     for r in range(rounds):
         for b in batches:
@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--name", default="step_ab_h200.json")
     ap.add_argument("--kv-blocks", type=int, default=20000, help="KV blocks of each engine")
+    ap.add_argument("--no-token-check", dest="token_check", action="store_false",
+                    help="record, not require, equal bf16 greedy tokens (a switch that reorders sums, such as the "
+                         "GEMV's blocks, rounds differently in bf16; fp32 parity is the families script's)")
     args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)
