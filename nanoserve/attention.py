@@ -18,10 +18,10 @@ from .runtime import (
 
 # %% auto #0
 __all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
-           'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'with_new_token',
-           'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel',
-           'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits',
-           'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
+           'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'store_out',
+           'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel', 'decode_reduce_kernel',
+           'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits', 'split_buffers',
+           'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
            'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
@@ -172,9 +172,8 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
                 t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr, k_norm_ptr, eps,
                 NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 TILE_N: tl.constexpr, QK_NORM: tl.constexpr):
-    """(query heads [BLOCK_G, D], key [1, D], value [1, D]) of token `seq`'s QKV row, query and key rotated. Key and
-    value also go to the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the
-    context's last); that program takes them from these registers, not from the cache (`with_new_token`)."""
+    """The query heads [BLOCK_G, D] of token `seq`'s QKV row, rotated. Its KV head's key (rotated) and value go to
+    the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the context's last)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     row = q_ptr + seq * stride_qt
     first = (d < HALF)[None, :]
@@ -199,14 +198,8 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
         tl.store(k_cache_ptr + dst, k_new)
         tl.store(v_cache_ptr + dst, v_new)
-    return q, k_new, v_new
-
-
-@triton.jit
-def with_new_token(k, v, k_new, v_new, pos, last):
-    "A tile's keys and values [TILE_N, D] with the row at position `last` replaced by this step's key and value."
-    new = (pos == last)[:, None]
-    return tl.where(new, k_new, k), tl.where(new, v_new, v)
+    tl.debug_barrier()                                # the slot written before any thread of the program reads it
+    return q
 
 # %% ../nbs/06_attention.ipynb #3f8b1d57
 @triton.jit
@@ -296,10 +289,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     heads = kvh * G + g
     gm = g[:, None] < G
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
-        q, k_new, v_new = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx,
-                                      kvh, heads, gm, d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs,
-                                      stride_ch, q_norm_ptr, k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE,
-                                      TILE_N, QK_NORM)
+        q = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm,
+                        d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr,
+                        k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE, TILE_N, QK_NORM)
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
@@ -311,7 +303,6 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         valid = pos < ctx
         k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, valid, kvh, d,
                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
-        if ROPE: k, v = with_new_token(k, v, k_new, v_new, pos, ctx - 1)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
