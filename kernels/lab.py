@@ -252,6 +252,23 @@ def steady_decode(llm, batch: int, prompt_len: int = 128, seed: int = 0) -> None
     while any(r.seq.num_computed_tokens < r.seq.num_prompt_tokens for r in llm._requests.values()): llm.step()
 
 
+def step_ms(llm, steps: int) -> float:
+    "ms per `LLM.step()` over `steps` steps of the engine's steady decode (the device synchronised at both ends)."
+    sync(llm.device)
+    t0 = time.perf_counter()
+    for _ in range(steps): llm.step()
+    sync(llm.device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def same_greedy_tokens(engines) -> bool:
+    "The same greedy tokens from every engine (an iterable of `LLM`s) for the same 8 requests."
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(8)]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = [[o.token_ids for o in llm.generate(prompts, sp)] for llm in engines]
+    return all(o == outs[0] for o in outs)
+
+
 def decoding_engine(model_dir, batch: int, prompt_len: int = 1000, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                     **engine_kw):
     """A CPU engine with `batch` sequences of `prompt_len` tokens in steady decode, packed for the CUDA-graph buckets

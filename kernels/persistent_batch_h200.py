@@ -10,32 +10,14 @@ prompts, the GPU warmed before every row, ms per `LLM.step()` over `--steps` ste
 when the two disagree by over 15%; the engines alternate, the order flipping each round), write
 persistent_batch_h200.json. `--smoke`: the tiny model on the CPU, batch 1 and 4, 5 steps, one round.
 """
-import sys, time
+import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, SamplingParams, checkpoint, device_or_skip, dtype_of, is_smoke, median, parser,  # noqa: E402
-                 steady_decode, sync, warm, write)
+                 same_greedy_tokens, steady_decode, step_ms, warm, write)
 
 VARIANTS = {"persistent": True, "full_pass": False}
-
-
-def step_ms(llm, steps: int) -> float:
-    "ms per `LLM.step()` over `steps` steps of the engine's steady decode (the device synchronised at both ends)."
-    sync(llm.device)
-    t0 = time.perf_counter()
-    for _ in range(steps): llm.step()
-    sync(llm.device)
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
-def check(engines: dict) -> bool:
-    "The same greedy tokens from every engine for the same 8 requests."
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(8)]
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    outs = {name: [o.token_ids for o in llm.generate(prompts, sp)] for name, llm in engines.items()}
-    first = next(iter(outs.values()))
-    return all(o == first for o in outs.values())
 
 
 def main():
@@ -50,7 +32,7 @@ def main():
     engines = {name: LLM(model_dir, dtype=dtype_of(args), device=device.type, max_num_seqs=max(batches),
                          max_num_batched_tokens=max(4096, 128 * max(batches)), num_kv_blocks=20000 if not smoke else 512,
                          persistent_batch=on) for name, on in VARIANTS.items()}
-    same = check(engines)
+    same = same_greedy_tokens(engines.values())
     assert same, "the engines' greedy tokens differ"
     ms = {b: {name: [] for name in engines} for b in batches}
     for r in range(rounds):

@@ -11,29 +11,12 @@ greedy tokens from both engines for the same 8 requests), time (for each batch, 
 twice and flagged when the two disagree by over 15%; the engines alternate, the order flipping each round), write.
 `--smoke`: the tiny model on the CPU, batch 1 and 4, 5 steps, one round.
 """
-import gc, sys, time
+import gc, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, SamplingParams, device_or_skip, dtype_of, is_smoke, median, parser,  # noqa: E402
-                 random_checkpoint, steady_decode, sync, tiny_model, warm, write)
-
-
-def step_ms(llm, steps: int) -> float:
-    "ms per `LLM.step()` over `steps` steps of the engine's steady decode (the device synchronised at both ends)."
-    sync(llm.device)
-    t0 = time.perf_counter()
-    for _ in range(steps): llm.step()
-    sync(llm.device)
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
-def same_tokens(engines: dict) -> bool:
-    "The same greedy tokens from every engine for the same 8 requests."
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(8)]
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    outs = [[o.token_ids for o in llm.generate(prompts, sp)] for llm in engines.values()]
-    return all(o == outs[0] for o in outs)
+                 random_checkpoint, same_greedy_tokens, steady_decode, step_ms, tiny_model, warm, write)
 
 
 def one_shape(shape: str, args, device, smoke: bool) -> dict:
@@ -44,7 +27,7 @@ def one_shape(shape: str, args, device, smoke: bool) -> dict:
     engines = {on: LLM(model_dir, dtype=dtype_of(args), device=device.type, max_num_seqs=max(batches),
                        max_num_batched_tokens=max(4096, args.prompt_len * max(batches)),
                        num_kv_blocks=512 if smoke else args.kv_blocks, **{args.field: on}) for on in (True, False)}
-    same = same_tokens(engines)
+    same = same_greedy_tokens(engines.values())
     assert same or not args.token_check, (shape, "the engines' greedy tokens differ")
     ms = {b: {"on": [], "off": []} for b in batches}
     for r in range(rounds):
