@@ -21,7 +21,8 @@ import torch
 from .block_manager import BlockManager
 from .model import load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
-from .quant import QuantConfig, quantize_model
+from .quant import (QuantConfig, QuantLinear, QuantReport, load_quantized_model, quantize_model,
+                             read_checkpoint_quant, weight_bytes)
 from .runner import KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
@@ -277,10 +278,22 @@ class EngineSetup:
 class EngineLoad(EngineSetup):
     "Loading: the model (sharded across ranks, or quantized), its kernels, the tokenizer and the stop tokens."
 
+    def _check_prequantized(self, ec) -> None:
+        "A pre-quantized checkpoint loads as it is: no quantization on top, one process."
+        cq = self.checkpoint_quant
+        if ec.quant.method is not None:
+            raise ValueError(f"{self.model_dir} is already quantized ({cq.method}): leave quantization unset")
+        if ec.parallel.tensor_parallel_size != 1:
+            raise ValueError(f"{cq.method} checkpoints with tensor_parallel_size > 1 are not supported")
+
     def _load(self) -> None:
         ec, dtype = self.engine_config, self._load_dtype()
         tp = ec.parallel.tensor_parallel_size
-        if tp != 1:
+        self.checkpoint_quant = read_checkpoint_quant(self.model_dir)     # an AWQ or GPTQ checkpoint (its chapter)
+        if self.checkpoint_quant is not None: self._check_prequantized(ec)
+        if self.checkpoint_quant is not None:
+            self.model = load_quantized_model(self.model_dir, self.checkpoint_quant, dtype, self.device)
+        elif tp != 1:
             self.parallel = TensorParallel(self.model_dir, ec.parallel, self.device, self._worker_spec(dtype))
             self.model = self.parallel.load_model(dtype)
         else:
@@ -288,7 +301,10 @@ class EngineLoad(EngineSetup):
         self.config, self.dtype = self.model.config, self.model.norm.weight.dtype
         self.quant_report = None       # weight-only quantization (its chapter), before the KV cache is sized
         q = ec.quant
-        if q.method is not None:
+        if self.checkpoint_quant is not None:
+            n, b = sum(isinstance(m, QuantLinear) for m in self.model.modules()), weight_bytes(self.model)
+            self.quant_report = QuantReport(self.checkpoint_quant.method, self.checkpoint_quant.group_size, b, b, n)
+        elif q.method is not None:
             self.quant_report = quantize_model(self.model, q.method, q.group_size, q.quantize_lm_head)
         self.model.set_kernels(model_kernels(self.kernels))
         self.tokenizer = load_tokenizer(self.model_dir)

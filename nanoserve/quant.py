@@ -11,6 +11,7 @@ import json
 import types
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -22,6 +23,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_state_dict,
+                             read_config_json)
 from .runtime import (INTERPRET, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
                                split_counters, split_tiles, sum_last)
 
@@ -29,12 +32,15 @@ METHODS = ("int8", "int4")
 
 # %% auto #0
 __all__ = ['METHODS', 'NIBBLES', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM',
-           'QUANT_TARGETS', 'QuantConfig', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4',
-           'out_features', 'int4_values', 'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout',
-           'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
-           'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
-           'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
-           'QuantLinear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'logit_quality',
+           'QUANT_TARGETS', 'AWQ_ORDER', 'FUSED_PROJECTIONS', 'QuantConfig', 'quantize_int8', 'dequantize_int8',
+           'pack_int4', 'unpack_int4', 'out_features', 'int4_values', 'int4_rows', 'quantize_int4', 'dequantize_int4',
+           'tile_int4', 'weight_layout', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel',
+           'quant_gemm_kernel', 'quant_tables', 'kernels_support', 'choose_split_k', 'words_path', 'gemv_config',
+           'gemv_tile', 'f16_path', 'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
+           'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
+           'QuantReport', 'quantize_model', 'CheckpointQuant', 'checkpoint_quant', 'unpack_int32', 'pack_int32',
+           'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'checkpoint_layer', 'fused_quant_linear',
+           'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'logit_quality',
            'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
@@ -973,7 +979,7 @@ class QuantLinear(nn.Module):
     "A linear layer with INT8 (per channel) or INT4 (group-wise) weights; computes in the input's dtype."
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  bias: torch.Tensor | None, in_features: int, out_features: int, method: str,
-                 group_size: int | None = None, tuned: Mapping | None = None):
+                 group_size: int | None = None, tuned: Mapping | None = None, input_perm: torch.Tensor | None = None):
         super().__init__()
         if method not in METHODS: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(METHODS)}")
         self.in_features, self.out_features, self.method = in_features, out_features, method
@@ -982,6 +988,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
+        self.register_buffer("input_perm", input_perm)   # inputs in this order first (a GPTQ act-order checkpoint's)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
         self.pdl = False                        # True: the GEMV uses programmatic dependent launch
         self.tuned = tuned                      # the GEMV entry in place of the tuned table's (None: the table's)
@@ -1008,18 +1015,33 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                                 # [T, K]
+        if self.input_perm is not None: x2 = x2.index_select(1, self.input_perm)
         args = (self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size)
         out = quant_matmul(x2, *args, pdl=self.pdl, tuned=self.tuned) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
         return out.reshape(*lead, self.out_features)                         # [..., N]
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         "The full-precision weight [N, K] this layer stands for (materialised: for checks, not for serving)."
-        return dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
+        w = dequantize(self.qweight, self.scales, self.zeros, self.method, self.group_size, dtype)
+        if self.input_perm is None: return w
+        return torch.empty_like(w).index_copy_(1, self.input_perm, w)          # back in the inputs' own order
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{g}, " \
                f"bias={self.bias is not None}"
+
+# %% ../nbs/08_quant.ipynb #d63e5d2e
+def int4_linear(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                group_size: int, input_perm: torch.Tensor | None = None, name: str = "linear") -> QuantLinear:
+    """A `QuantLinear` of INT4 values [N, K] in [0, 15] with `quantize_int4`'s scales and zeros [N, K / group] (weights
+    quantized elsewhere: a checkpoint's), packed and laid out as `QuantLinear.from_linear` lays them out."""
+    N, K = values.shape
+    _check_group(K, group_size, name)
+    packed = (pack_int4(values), scales.float().contiguous(), zeros.to(torch.uint8).contiguous())
+    tile = gemv_tile(N, K, group_size)
+    if tile: packed = tile_int4(*packed, group_size, tile)
+    return QuantLinear(*packed, bias, K, N, "int4", group_size, input_perm=input_perm)
 
 # %% ../nbs/08_quant.ipynb #f278f407
 QUANT_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -1126,6 +1148,187 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantiz
         model.compute_logits = types.MethodType(_quant_compute_logits, model)
     return QuantReport(method, group_size if method == "int4" else None, before, weight_bytes(model),
                        num_replaced + bool(quantize_lm_head), bool(quantize_lm_head))
+
+# %% ../nbs/08_quant.ipynb #762ac0b3
+@dataclass(frozen=True)
+class CheckpointQuant:
+    "A pre-quantized checkpoint's format, as its `quantization_config` states it."
+    method: str                     # "awq" or "gptq"
+    group_size: int
+    act_order: bool = False         # GPTQ's desc_act: groups numbered in the tool's order of the inputs
+    zeros_minus_one: bool = True    # GPTQ's first checkpoint format stores each zero point minus one
+
+# %% ../nbs/08_quant.ipynb #3369267e
+def _refuse(method: str, what: str) -> None: raise ValueError(f"{method} checkpoint: {what} is not supported")
+
+
+def checkpoint_quant(d: dict | None) -> CheckpointQuant | None:
+    "The format of a `quantization_config` dict (None: not a quantized checkpoint); unsupported variants refused."
+    if not d: return None
+    method = str(d.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"): raise ValueError(f"quantization_config: quant_method {method!r} is not supported "
+                                                       "(supported: awq, gptq)")
+    if d.get("bits") != 4: _refuse(method, f"bits {d.get('bits')!r} (only 4)")
+    g = d.get("group_size")
+    if not isinstance(g, int) or g < 32 or g % 32: _refuse(method, f"group_size {g!r} (a multiple of 32)")
+    if d.get("modules_to_not_convert"): _refuse(method, f"modules_to_not_convert {d['modules_to_not_convert']!r}")
+    if method == "awq":
+        if str(d.get("version", "gemm")).lower() != "gemm": _refuse("awq", f"version {d['version']!r} (only gemm)")
+        if not d.get("zero_point", True): _refuse("awq", "zero_point false")
+        return CheckpointQuant("awq", g)
+    fmt = d.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"): _refuse("gptq", f"checkpoint_format {fmt!r}")
+    return CheckpointQuant("gptq", g, bool(d.get("desc_act", False)), fmt == "gptq")
+
+# %% ../nbs/08_quant.ipynb #e0bb33df
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # AWQ's GEMM layout: nibble i of a word holds value AWQ_ORDER[i] of its 8
+
+# %% ../nbs/08_quant.ipynb #85ddf837
+def unpack_int32(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    "int32 words of 8 4-bit values along `dim` -> uint8 values, 8 times as many along `dim` (word i, value order[j])."
+    words = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF                     # [..., W]
+    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], -1)          # [..., W, 8]: nibble order
+    values = torch.empty_like(nibbles)
+    values[..., list(order)] = nibbles                                               # value order
+    return values.flatten(-2).to(torch.uint8).movedim(-1, dim)
+
+# %% ../nbs/08_quant.ipynb #1f80bf3d
+def pack_int32(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    "The inverse of `unpack_int32`: 4-bit values along `dim` (a multiple of 8) -> int32 words."
+    v = values.movedim(dim, -1).to(torch.int64) & 15
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]                           # [..., W, 8]: nibble order
+    words = sum(v[..., i] << (4 * i) for i in range(8))
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).movedim(-1, dim)
+
+# %% ../nbs/08_quant.ipynb #24fced23
+def awq_int4(qweight, qzeros, scales) -> tuple:
+    "An AWQ GEMM layer's tensors -> (values uint8 [N, K], scales fp32 [N, K/G], zeros uint8 [N, K/G])."
+    return (unpack_int32(qweight, 1, AWQ_ORDER).t(), scales.float().t(), unpack_int32(qzeros, 1, AWQ_ORDER).t())
+
+# %% ../nbs/08_quant.ipynb #8b834cf1
+def gptq_int4(qweight, qzeros, scales, g_idx, group_size: int, zeros_minus_one: bool = True) -> tuple:
+    """A GPTQ layer's tensors -> (values, scales, zeros, input order or None): with groups out of input order (act
+    order) the inputs sorted by group, `values` in that order, and the order the input must be gathered in."""
+    values = unpack_int32(qweight, 0).t()                                            # [N, K]
+    zeros = unpack_int32(qzeros, 1)                                                  # [K/G, N]
+    if zeros_minus_one: zeros = (zeros.to(torch.int16) + 1).remainder(16).to(torch.uint8)
+    K = values.shape[1]
+    groups = torch.arange(K) // group_size
+    perm = None
+    if g_idx is not None and not torch.equal(g_idx.long().cpu(), groups):
+        perm = torch.sort(g_idx.long(), stable=True).indices
+        if not torch.equal(g_idx.long()[perm].cpu(), groups):
+            raise ValueError(f"gptq checkpoint: g_idx does not put {group_size} inputs in every group")
+        values = values[:, perm]
+    return values, scales.float().t(), zeros.t(), perm
+
+# %% ../nbs/08_quant.ipynb #15e1f89d
+def awq_tensors(values, scales, zeros) -> dict:
+    "`quantize_int4`-style values, scales, zeros [N, ...] as AutoAWQ's GEMM layer stores them."
+    return {"qweight": pack_int32(values.t(), 1, AWQ_ORDER), "qzeros": pack_int32(zeros.t(), 1, AWQ_ORDER),
+            "scales": scales.t().half()}
+
+# %% ../nbs/08_quant.ipynb #89deaefb
+def gptq_tensors(values, scales, zeros, g_idx) -> dict:
+    "The same as AutoGPTQ stores them (first format: zeros minus one); `values` [N, K] in the inputs' own order."
+    return {"qweight": pack_int32(values.t(), 0), "qzeros": pack_int32((zeros.t().long() - 1) & 15, 1),
+            "scales": scales.t().half(), "g_idx": g_idx.int()}
+
+# %% ../nbs/08_quant.ipynb #e98de7eb
+FUSED_PROJECTIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
+                     ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",)))
+
+
+def checkpoint_layer(ckpt: dict, prefix: str, q: CheckpointQuant) -> tuple:
+    "(values, scales, zeros, input order) of the projection stored under `prefix`, its packed tensors taken out."
+    missing = [k for k in ("qweight", "qzeros", "scales") if f"{prefix}.{k}" not in ckpt]
+    if missing: raise KeyError(f"{q.method} checkpoint lacks {', '.join(prefix + '.' + k for k in missing)}")
+    t = {k: ckpt.pop(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales")}
+    g_idx = ckpt.pop(f"{prefix}.g_idx", None)
+    if q.method == "awq": return *awq_int4(**t), None
+    return gptq_int4(**t, g_idx=g_idx, group_size=q.group_size, zeros_minus_one=q.zeros_minus_one)
+
+# %% ../nbs/08_quant.ipynb #57ad888e
+def fused_quant_linear(parts: list[tuple], bias: torch.Tensor | None, group_size: int, name: str) -> QuantLinear:
+    "One `QuantLinear` of projections that share an input, concatenated along their outputs (and one input order)."
+    perm = parts[0][3]
+    if any((p[3] is None) != (perm is None) or (perm is not None and not torch.equal(p[3], perm)) for p in parts):
+        raise ValueError(f"{name}: the fused projections' act-order input orders differ (they share one input)")
+    values, scales, zeros = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return int4_linear(values, scales, zeros, bias, group_size, perm, name)
+
+# %% ../nbs/08_quant.ipynb #2ce4218e
+def load_quantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
+    "Our decoder from an AWQ or GPTQ checkpoint: its projections repacked into `QuantLinear`s, the rest as `load_model`."
+    cfg = ModelConfig.from_model_dir(model_dir)
+    dtype = dtype or _DTYPES[cfg.dtype]
+    ckpt = load_state_dict(model_dir)
+    layers = {}
+    for i in range(cfg.num_hidden_layers):
+        for block, ours, names in FUSED_PROJECTIONS:
+            base = f"model.layers.{i}.{block}"
+            parts = [checkpoint_layer(ckpt, f"{base}.{n}", q) for n in names]
+            for n, part in zip(names, parts):                    # what `_our_params` fuses, without the weights
+                ckpt[f"{base}.{n}.weight"] = torch.empty(part[0].shape, device="meta")
+            bias = torch.cat([ckpt[f"{base}.{n}.bias"] for n in names]).to(dtype) \
+                if cfg.attention_bias and ours == "qkv_proj" else None
+            layers[f"layers.{i}.{block}.{ours}"] = fused_quant_linear(parts, bias, q.group_size, f"layers.{i}.{block}.{ours}")
+    with torch.device("meta"): model = Qwen2ForCausalLM(cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in _our_params(cfg, ckpt).items()}, strict=True, assign=True)
+    for name, layer in layers.items():
+        parent, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), attr, layer)
+    model.rotary.build(device, dtype)
+    return model.to(device=device).eval().requires_grad_(False)
+
+# %% ../nbs/08_quant.ipynb #5f10de14
+def read_checkpoint_quant(model_dir) -> CheckpointQuant | None:
+    "A model folder's pre-quantization: `config.json`'s quantization_config, else GPTQ's `quantize_config.json`."
+    d = read_config_json(model_dir).get("quantization_config")
+    older = Path(model_dir) / "quantize_config.json"
+    if d is None and older.is_file(): d = {"quant_method": "gptq", **json.loads(older.read_text())}
+    return checkpoint_quant(d)
+
+# %% ../nbs/08_quant.ipynb #37d61942
+def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed: int = 0, vocab: int = 512):
+    """A random transformers Qwen2 checkpoint in `folder`, its projections quantized by `quantize_int4` and stored as
+    `fmt` ('awq' or 'gptq', in act order if asked) stores them; returns transformers' model on the dequantized
+    weights, the oracle. For tests: the tools' layouts without the tools."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM as HFQwen2
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    hf = HFQwen2(Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=True)).eval()
+    gen, out, orders = torch.Generator().manual_seed(seed), {}, {}
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    for name, w in hf.state_dict().items():
+        if name == "lm_head.weight": continue                          # tied to the embedding: stored once
+        if not name.endswith("_proj.weight"): out[name] = w.contiguous(); continue
+        qw, s, z = quantize_int4(w, G)
+        vals, s = unpack_int4(qw), s.half().float()
+        dense = dequantize_int4(qw, s, z, G)
+        if fmt == "awq": t = awq_tensors(vals, s, z)
+        else:
+            K = w.shape[1]
+            base, proj, _ = name.rsplit(".", 2)                    # projections of one input share its order
+            key = (base, shared.get(proj, proj))
+            if key not in orders: orders[key] = torch.randperm(K, generator=gen) if act_order else torch.arange(K)
+            order = orders[key]
+            g_idx = torch.empty(K, dtype=torch.long); g_idx[order] = torch.arange(K) // G
+            vals_in, dense_in = torch.empty_like(vals), torch.empty_like(dense)
+            vals_in[:, order], dense_in[:, order] = vals, dense
+            t, dense = gptq_tensors(vals_in, s, z, g_idx), dense_in
+        out.update({name.replace(".weight", "." + k): v.contiguous() for k, v in t.items()})
+        hf.get_parameter(name).data.copy_(dense)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(folder / "model.safetensors"))
+    quant = {"bits": 4, "group_size": G, "quant_method": fmt} | (
+        {"version": "gemm", "zero_point": True} if fmt == "awq" else {"desc_act": act_order, "sym": False})
+    cfg = hf.config.to_dict() | {"quantization_config": quant}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return hf
 
 # %% ../nbs/08_quant.ipynb #0c365d2d
 def logit_quality(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor | None = None) -> dict:

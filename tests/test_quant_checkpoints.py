@@ -1,0 +1,52 @@
+"""AWQ and GPTQ checkpoints through the engine (nanoserve.quant's loader, the engine's `_load`): random transformers
+Qwen2 checkpoints written in each format's exact tensor layout (`quant.write_quantized`), served by `LLM` on the CPU,
+against transformers' own model on the dequantized weights; and the variants and combinations that are refused."""
+import json, shutil
+
+import pytest
+import torch
+
+from nanoserve.engine import LLM, SamplingParams
+from nanoserve.quant import QuantLinear, write_quantized
+from nanoserve.tokenizer import shipped_model_dir
+
+VOCAB = 3072                    # the shipped tiny model's tokenizer
+
+
+def checkpoint(tmp_path, fmt, act_order=False, **overrides):
+    "A quantized random checkpoint with the shipped tokenizer beside it; its transformers oracle."
+    hf = write_quantized(tmp_path, fmt, act_order, vocab=VOCAB)
+    for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(shipped_model_dir() / name, tmp_path / name)
+    if overrides:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        cfg["quantization_config"].update(overrides)
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+def hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", False), ("gptq", True)])
+def test_engine_greedy_matches_transformers_on_the_dequantized_weights(tmp_path, fmt, act_order):
+    hf = checkpoint(tmp_path, fmt, act_order)
+    llm = LLM(tmp_path, device="cpu", dtype="float32", num_kv_blocks=64)
+    assert all(isinstance(layer.mlp.down_proj, QuantLinear) for layer in llm.model.layers)
+    assert llm.quant_report.method == fmt and llm.quant_report.num_replaced == 2 * 4
+    prompts = [[5, 17, 300, 42, 9, 1200, 77], [1000, 3, 3, 3, 2500]]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, sp)
+    for prompt, out in zip(prompts, outs): assert out.token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_refused_variants_and_combinations(tmp_path):
+    checkpoint(tmp_path / "g8", "gptq", bits=8)
+    with pytest.raises(ValueError, match="gptq checkpoint: bits 8"): LLM(tmp_path / "g8", device="cpu")
+    checkpoint(tmp_path / "awqv", "awq", version="gemv")
+    with pytest.raises(ValueError, match="version 'gemv'"): LLM(tmp_path / "awqv", device="cpu")
+    checkpoint(tmp_path / "a", "awq")
+    with pytest.raises(ValueError, match="already quantized \\(awq\\): leave quantization unset"):
+        LLM(tmp_path / "a", device="cpu", quantization="int4")
