@@ -1031,7 +1031,7 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{g}, " \
                f"bias={self.bias is not None}"
 
-# %% ../nbs/08_quant.ipynb #d63e5d2e
+# %% ../nbs/08_quant.ipynb #b944a3c5
 def int4_linear(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                 group_size: int, input_perm: torch.Tensor | None = None, name: str = "linear") -> QuantLinear:
     """A `QuantLinear` of INT4 values [N, K] in [0, 15] with `quantize_int4`'s scales and zeros [N, K / group] (weights
@@ -1149,7 +1149,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantiz
     return QuantReport(method, group_size if method == "int4" else None, before, weight_bytes(model),
                        num_replaced + bool(quantize_lm_head), bool(quantize_lm_head))
 
-# %% ../nbs/08_quant.ipynb #762ac0b3
+# %% ../nbs/08_quant.ipynb #7e9fe89c
 @dataclass(frozen=True)
 class CheckpointQuant:
     "A pre-quantized checkpoint's format, as its `quantization_config` states it."
@@ -1158,7 +1158,7 @@ class CheckpointQuant:
     act_order: bool = False         # GPTQ's desc_act: groups numbered in the tool's order of the inputs
     zeros_minus_one: bool = True    # GPTQ's first checkpoint format stores each zero point minus one
 
-# %% ../nbs/08_quant.ipynb #3369267e
+# %% ../nbs/08_quant.ipynb #b8305a59
 def _refuse(method: str, what: str) -> None: raise ValueError(f"{method} checkpoint: {what} is not supported")
 
 
@@ -1180,10 +1180,10 @@ def checkpoint_quant(d: dict | None) -> CheckpointQuant | None:
     if fmt not in ("gptq", "gptq_v2"): _refuse("gptq", f"checkpoint_format {fmt!r}")
     return CheckpointQuant("gptq", g, bool(d.get("desc_act", False)), fmt == "gptq")
 
-# %% ../nbs/08_quant.ipynb #e0bb33df
+# %% ../nbs/08_quant.ipynb #196d8d2a
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # AWQ's GEMM layout: nibble i of a word holds value AWQ_ORDER[i] of its 8
 
-# %% ../nbs/08_quant.ipynb #85ddf837
+# %% ../nbs/08_quant.ipynb #807aca5b
 def unpack_int32(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
     "int32 words of 8 4-bit values along `dim` -> uint8 values, 8 times as many along `dim` (word i, value order[j])."
     words = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF                     # [..., W]
@@ -1192,7 +1192,7 @@ def unpack_int32(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch
     values[..., list(order)] = nibbles                                               # value order
     return values.flatten(-2).to(torch.uint8).movedim(-1, dim)
 
-# %% ../nbs/08_quant.ipynb #1f80bf3d
+# %% ../nbs/08_quant.ipynb #ebea1a8c
 def pack_int32(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
     "The inverse of `unpack_int32`: 4-bit values along `dim` (a multiple of 8) -> int32 words."
     v = values.movedim(dim, -1).to(torch.int64) & 15
@@ -1200,12 +1200,12 @@ def pack_int32(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.T
     words = sum(v[..., i] << (4 * i) for i in range(8))
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).movedim(-1, dim)
 
-# %% ../nbs/08_quant.ipynb #24fced23
+# %% ../nbs/08_quant.ipynb #6ff11919
 def awq_int4(qweight, qzeros, scales) -> tuple:
     "An AWQ GEMM layer's tensors -> (values uint8 [N, K], scales fp32 [N, K/G], zeros uint8 [N, K/G])."
     return (unpack_int32(qweight, 1, AWQ_ORDER).t(), scales.float().t(), unpack_int32(qzeros, 1, AWQ_ORDER).t())
 
-# %% ../nbs/08_quant.ipynb #8b834cf1
+# %% ../nbs/08_quant.ipynb #41f8628d
 def gptq_int4(qweight, qzeros, scales, g_idx, group_size: int, zeros_minus_one: bool = True) -> tuple:
     """A GPTQ layer's tensors -> (values, scales, zeros, input order or None): with groups out of input order (act
     order) the inputs sorted by group, `values` in that order, and the order the input must be gathered in."""
@@ -1222,19 +1222,19 @@ def gptq_int4(qweight, qzeros, scales, g_idx, group_size: int, zeros_minus_one: 
         values = values[:, perm]
     return values, scales.float().t(), zeros.t(), perm
 
-# %% ../nbs/08_quant.ipynb #15e1f89d
+# %% ../nbs/08_quant.ipynb #0ee4e29c
 def awq_tensors(values, scales, zeros) -> dict:
     "`quantize_int4`-style values, scales, zeros [N, ...] as AutoAWQ's GEMM layer stores them."
     return {"qweight": pack_int32(values.t(), 1, AWQ_ORDER), "qzeros": pack_int32(zeros.t(), 1, AWQ_ORDER),
             "scales": scales.t().half()}
 
-# %% ../nbs/08_quant.ipynb #89deaefb
+# %% ../nbs/08_quant.ipynb #7d74f428
 def gptq_tensors(values, scales, zeros, g_idx) -> dict:
     "The same as AutoGPTQ stores them (first format: zeros minus one); `values` [N, K] in the inputs' own order."
     return {"qweight": pack_int32(values.t(), 0), "qzeros": pack_int32((zeros.t().long() - 1) & 15, 1),
             "scales": scales.t().half(), "g_idx": g_idx.int()}
 
-# %% ../nbs/08_quant.ipynb #e98de7eb
+# %% ../nbs/08_quant.ipynb #6753ac3d
 FUSED_PROJECTIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
                      ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",)))
 
@@ -1248,7 +1248,7 @@ def checkpoint_layer(ckpt: dict, prefix: str, q: CheckpointQuant) -> tuple:
     if q.method == "awq": return *awq_int4(**t), None
     return gptq_int4(**t, g_idx=g_idx, group_size=q.group_size, zeros_minus_one=q.zeros_minus_one)
 
-# %% ../nbs/08_quant.ipynb #57ad888e
+# %% ../nbs/08_quant.ipynb #dbf87c1c
 def fused_quant_linear(parts: list[tuple], bias: torch.Tensor | None, group_size: int, name: str) -> QuantLinear:
     "One `QuantLinear` of projections that share an input, concatenated along their outputs (and one input order)."
     perm = parts[0][3]
@@ -1257,7 +1257,7 @@ def fused_quant_linear(parts: list[tuple], bias: torch.Tensor | None, group_size
     values, scales, zeros = (torch.cat([p[i] for p in parts]) for i in range(3))
     return int4_linear(values, scales, zeros, bias, group_size, perm, name)
 
-# %% ../nbs/08_quant.ipynb #2ce4218e
+# %% ../nbs/08_quant.ipynb #6abe23e8
 def load_quantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
     "Our decoder from an AWQ or GPTQ checkpoint: its projections repacked into `QuantLinear`s, the rest as `load_model`."
     cfg = ModelConfig.from_model_dir(model_dir)
@@ -1281,7 +1281,7 @@ def load_quantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | Non
     model.rotary.build(device, dtype)
     return model.to(device=device).eval().requires_grad_(False)
 
-# %% ../nbs/08_quant.ipynb #5f10de14
+# %% ../nbs/08_quant.ipynb #b30b759e
 def read_checkpoint_quant(model_dir) -> CheckpointQuant | None:
     "A model folder's pre-quantization: `config.json`'s quantization_config, else GPTQ's `quantize_config.json`."
     d = read_config_json(model_dir).get("quantization_config")
@@ -1289,7 +1289,7 @@ def read_checkpoint_quant(model_dir) -> CheckpointQuant | None:
     if d is None and older.is_file(): d = {"quant_method": "gptq", **json.loads(older.read_text())}
     return checkpoint_quant(d)
 
-# %% ../nbs/08_quant.ipynb #37d61942
+# %% ../nbs/08_quant.ipynb #0a19b88b
 def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed: int = 0, vocab: int = 512):
     """A random transformers Qwen2 checkpoint in `folder`, its projections quantized by `quantize_int4` and stored as
     `fmt` ('awq' or 'gptq', in act order if asked) stores them; returns transformers' model on the dequantized
