@@ -234,9 +234,7 @@ def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_pt
                   NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr):
     """Store a decode program's output. With several splits, each of the `num_used` that have tiles stores its
     partial and the last of them merges; when `num_used` is 1 the one split stores its output as is."""
-    if NUM_SPLITS == 1:
-        store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh)
-    elif num_used == 1:                                                     # a context of one split's tiles
+    if num_used == 1:                       # one split, or (by context) a context of one split's tiles
         store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh)
     else:
         row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split                # [BLOCK_G]

@@ -290,8 +290,8 @@ class EngineLoad(EngineSetup):
         ec, dtype = self.engine_config, self._load_dtype()
         tp = ec.parallel.tensor_parallel_size
         self.checkpoint_quant = read_checkpoint_quant(self.model_dir)     # an AWQ or GPTQ checkpoint (its chapter)
-        if self.checkpoint_quant is not None: self._check_prequantized(ec)
         if self.checkpoint_quant is not None:
+            self._check_prequantized(ec)
             self.model = load_quantized_model(self.model_dir, self.checkpoint_quant, dtype, self.device)
         elif tp != 1:
             self.parallel = TensorParallel(self.model_dir, ec.parallel, self.device, self._worker_spec(dtype))

@@ -1292,8 +1292,8 @@ def read_checkpoint_quant(model_dir) -> CheckpointQuant | None:
 # %% ../nbs/08_quant.ipynb #0a19b88b
 def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed: int = 0, vocab: int = 512):
     """A random transformers Qwen2 checkpoint in `folder`, its projections quantized by `quantize_int4` and stored as
-    `fmt` ('awq' or 'gptq', in act order if asked) stores them; returns transformers' model on the dequantized
-    weights, the oracle. For tests: the tools' layouts without the tools."""
+    `fmt` ('awq' or 'gptq', in act order if asked) stores them, so without the tools themselves; returns
+    transformers' model on the dequantized weights, the oracle."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM as HFQwen2
     folder = Path(folder)
@@ -1302,7 +1302,7 @@ def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                              tie_word_embeddings=True)).eval()
     gen, out, orders = torch.Generator().manual_seed(seed), {}, {}
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    shared = {n: ours for _, ours, names in FUSED_PROJECTIONS for n in names}     # q/k/v and gate/up share an input
     for name, w in hf.state_dict().items():
         if name == "lm_head.weight": continue                          # tied to the embedding: stored once
         if not name.endswith("_proj.weight"): out[name] = w.contiguous(); continue
