@@ -6,9 +6,11 @@ Writes quant_quality_cpu.json (run metadata inside), which the quantization chap
 - tiny: the shipped tiny model (4 layers, hidden 256, intermediate 688) in fp32, on held-out rows of the standard
   library it never trained on, one full-sequence forward per row, INT8 and INT4 in groups of 16 and 8 (688 admits
   no group of 32 or more), with and without the LM head quantized: the logits' relative error, the mean KL(full ||
-  quantized) a token, top-1 agreement and the perplexity against the full-precision model;
+  quantized) a token, top-1 agreement and the perplexity against the full-precision model; and the K/V cache in fp8
+  e4m3 with full-precision weights ("kv_fp8": every key and value rounded as the engine's fp8 cache stores it);
 - 0.5B: all 24 layers of the 0.5B shape with random weights (std 0.02) in fp32, 128 random tokens, one forward per
-  format, INT8 and INT4 in groups of 32, 64 and 128: the same measures but perplexity (random targets mean nothing).
+  format, INT8 and INT4 in groups of 32, 64 and 128, and kv_fp8: the same measures but perplexity (random targets
+  mean nothing).
 Checked before it is written: INT8 closer than INT4 on both, INT4's error falling with the group on the 0.5B shape.
 `--smoke`: the same code, two short rows of the tiny model and a two-layer random model of the tiny shape.
 """
@@ -28,12 +30,15 @@ from nanoserve.train import heldout_rows
 TINY_CONFIGS = [("int8", None, False), ("int4", 16, False), ("int4", 8, False), ("int8", None, True),
                 ("int4", 16, True)]
 BIG_CONFIGS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
+FP8 = torch.float8_e4m3fn      # the K/V cache's fp8 (the weights full precision): method "kv_fp8" in the results
 
 
-def sequence_logits(model, ids: torch.Tensor, block_size: int = 16) -> torch.Tensor:
-    "Logits [T, vocab] of one sequence `ids` [T], as one prefill chunk over a fresh paged cache."
+def sequence_logits(model, ids: torch.Tensor, block_size: int = 16, cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits [T, vocab] of one sequence `ids` [T], as one prefill chunk over a fresh paged cache (of `cache_dtype`;
+    None: the model's). The chunk's attention reads its keys and values back from the cache, as rounded there."""
     cfg, T = model.config, ids.numel()
-    dev, dtype = model.norm.weight.device, model.norm.weight.dtype
+    dev = model.norm.weight.device
+    dtype = cache_dtype or model.norm.weight.dtype
     nb = -(-T // block_size)
     caches = [tuple(torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
                     for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
@@ -72,6 +77,10 @@ def tiny_quality(smoke: bool) -> dict:
                     "ppl_quant": math.exp(qual["nll_quant"]), "weight_bytes_before": rep.weight_bytes_before,
                     "weight_bytes_after": rep.weight_bytes_after})
         print(out[-1], flush=True)
+    qual = logit_quality(ref, torch.cat([sequence_logits(tiny, r[:-1], cache_dtype=FP8) for r in rows]), targets)
+    out.append({"method": "kv_fp8", "group_size": None, "lm_head": False, **qual, "ppl_ref": math.exp(qual["nll_ref"]),
+                "ppl_quant": math.exp(qual["nll_quant"])})
+    print(out[-1], flush=True)
     return {"model": "tiny-qwen2-stdlib (shipped, fp32)", "rows": int(rows.shape[0]), "seq_len": int(rows.shape[1] - 1),
             "results": out}
 
@@ -91,6 +100,9 @@ def big_quality(smoke: bool) -> dict:
                     "weight_bytes_before": rep.weight_bytes_before, "weight_bytes_after": rep.weight_bytes_after})
         print(out[-1], flush=True)
         del m
+    t0 = time.perf_counter(); qual = logit_quality(ref, sequence_logits(big, ids, cache_dtype=FP8)); f_s = time.perf_counter() - t0
+    out.append({"method": "kv_fp8", "group_size": None, "lm_head": False, **qual, "forward_s": f_s})
+    print(out[-1], flush=True)
     what = "two layers of" if smoke else "all 24 layers of"
     return {"model": f"random weights of the Qwen2.5-0.5B shape (std 0.02), fp32, {what} it",
             "tokens": int(ids.numel()), "full_forward_s": fwd_s, "results": out}

@@ -134,15 +134,13 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale:
 # %% ../nbs/06_attention.ipynb #2b7d4c19
 @triton.jit
 def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
-             BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
-    "Keys and values [TILE_N, D] of positions `pos` of one sequence (block table row at `table_ptr`), KV head `kvh`."
+             BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    """Keys and values [TILE_N, D] of positions `pos` of one sequence (block table row at `table_ptr`), KV head `kvh`,
+    in `DTYPE` (the query's: an fp8 cache is widened here, as it is read)."""
     blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-    k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0).to(DTYPE)
+    v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0).to(DTYPE)
     return k, v
 
 # %% ../nbs/06_attention.ipynb #2b7d4c20
@@ -300,7 +298,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         pos = t * TILE_N + n
         valid = pos < ctx
         k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, valid, kvh, d,
-                        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+                        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -343,9 +341,10 @@ def prefill_tile_n(block_size: int, head_dim: int) -> int:
     return max(block_size, 64 if head_dim <= 64 else 32) if not INTERPRET else max(block_size, 16)
 
 
-def dot_precision(cache: torch.Tensor) -> str:
-    "The kernels' product precision: IEEE for an fp32 cache (Triton's default, TF32, would round it), else the default."
-    return "ieee" if cache.dtype == torch.float32 else "tf32"
+def dot_precision(q: torch.Tensor) -> str:
+    """The kernels' product precision: IEEE for fp32 queries (Triton's default, TF32, would round them and the keys
+    widened to theirs), else the default."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 # %% ../nbs/06_attention.ipynb #7f4b1e26
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, tile_n: int, sms: int) -> int:
@@ -396,7 +395,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_args, *qk_norm_args(q, qk_norm),
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
-        QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(k_cache),
+        QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(like),
         BY_CONTEXT=merge and splits_by_context, num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
@@ -468,7 +467,7 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
             pos = t * TILE_N + n
             valid = pos < kv_end
             k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + c * stride_bt, pos, valid, kvh, d,
-                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M*BLOCK_G, TILE_N]
             s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
             m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -496,7 +495,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), tile_map.stride(0) if tiled else 0,
         G=G, BLOCK_G=triton.next_power_of_2(G), HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        TILE_N=prefill_tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(k_cache),
+        TILE_N=prefill_tile_n(block_size, D), TILED=tiled, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q),
         num_warps=4)
     return out
 

@@ -433,7 +433,8 @@ def physical_limit(model_dir, requests: list[BenchRequest], engine_kwargs: dict 
     rate, rate_flag = matmul_TFLOPs(8192 if big else 512, device)
     max_num_seqs = kw.get("max_num_seqs") or BatchConfig().max_num_seqs
     lim = workload_limit(cfg, [len(r.prompt_token_ids) for r in requests], [r.max_tokens for r in requests],
-                         max_num_seqs, bw, rate, dtype_bytes=4 if dtype == "float32" else 2)
+                         max_num_seqs, bw, rate, dtype_bytes=4 if dtype == "float32" else 2,
+                         kv_dtype_bytes=1 if kw.get("kv_cache_dtype") == "fp8" else None)
     return lim | {"device": str(device), "dtype": dtype, "disagree": bw_flag or rate_flag}
 
 # %% ../nbs/15_bench.ipynb #f0a4670c
@@ -668,6 +669,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads per engine (torch intra-op; default: the engine's choice on a CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve engines: GPUs per engine")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"], help="nanoserve engines: weight-only")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="nanoserve engines: the K/V cache's dtype (auto: the model's; fp8: e4m3, twice the blocks)")
     p.add_argument("--scheduling", default="auto", choices=["auto", "async", "sync"],
                    help="nanoserve engines: prepare step N+1 while step N runs (auto: async on a GPU)")
     p.add_argument("--no-mixed-step-graphs", action="store_true",
@@ -731,6 +734,7 @@ def engine_kwargs_from_args(args) -> dict:
           "num_kv_blocks": args.num_kv_blocks, "device": args.device, "dtype": args.dtype}
     if args.tensor_parallel_size != 1: kw["tensor_parallel_size"] = args.tensor_parallel_size
     if args.quantization: kw["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto": kw["kv_cache_dtype"] = args.kv_cache_dtype
     if args.scheduling != "auto": kw["async_scheduling"] = args.scheduling == "async"
     if args.no_mixed_step_graphs: kw["mixed_step_graphs"] = False
     if args.no_row_gemv: kw["row_gemv"] = False

@@ -23,7 +23,8 @@ from .model import load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
 from .quant import (QuantConfig, QuantLinear, QuantReport, load_quantized_model, quantize_model,
                              read_checkpoint_quant, weight_bytes)
-from .runner import KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, model_kernels
+from .runner import (KV_CACHE_DTYPES, KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, kv_cache_dtype,
+                              model_kernels)
 from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
@@ -68,13 +69,16 @@ class LoadConfig:
 # %% ../nbs/12_engine.ipynb #9d63e21b
 @dataclass(frozen=True)
 class CacheSpec:
-    "The paged KV cache: block size, how many blocks (None: what memory allows), prefix caching."
+    "The paged KV cache: block size, how many blocks (None: what memory allows), prefix caching, its dtype."
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9   # the share of the GPU's memory the engine may fill
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": e4m3, one byte a value (twice the blocks)
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _positive_int("block_size", self.block_size, optional=False)
         _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -299,6 +303,7 @@ class EngineLoad(EngineSetup):
         else:
             self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
         self.config, self.dtype = self.model.config, self.model.norm.weight.dtype
+        self.kv_cache_dtype = kv_cache_dtype(ec.cache.kv_cache_dtype, self.dtype)   # the model's, or fp8
         self.quant_report = None       # weight-only quantization (its chapter), before the KV cache is sized
         q = ec.quant
         if self.checkpoint_quant is not None:
@@ -335,7 +340,8 @@ def worker_spec(ec: EngineConfig, kernels: KernelConfig, dtype: torch.dtype | No
     return dict(dtype=str(dtype).removeprefix("torch.") if dtype else None, kernels=asdict(kernels),
                 block_size=ec.cache.block_size, utilization=ec.cache.gpu_memory_utilization,
                 max_num_batched_tokens=ec.batch.max_num_batched_tokens, max_num_seqs=ec.batch.max_num_seqs,
-                max_model_len=ec.load.max_model_len, num_kv_blocks=ec.cache.num_kv_blocks)
+                max_model_len=ec.load.max_model_len, num_kv_blocks=ec.cache.num_kv_blocks,
+                kv_cache_dtype=ec.cache.kv_cache_dtype)
 
 
 def eos_token_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
@@ -376,7 +382,7 @@ class EngineStart(EngineLoad):
         self.scheduler_config = b.scheduler(self.max_model_len)
         self.block_manager = BlockManager(self.num_kv_blocks, bs, ec.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, bs, self.device, self.dtype, self.kernels,
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, bs, self.device, self.kv_cache_dtype, self.kernels,
                                   num_penalty_slots=b.max_num_seqs)
         self._penalty_slots = PenaltySlots(b.max_num_seqs)      # which choice holds which row of the runner's counts
         self._sampling_kept = None           # (sampled seq ids, their `SamplingRows`, their sequences): `_sampling`
@@ -394,7 +400,7 @@ class EngineStart(EngineLoad):
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         ec = self.engine_config
-        num_blocks, info = kv_cache_blocks(self.model, self.device, self.dtype, self.block_size,
+        num_blocks, info = kv_cache_blocks(self.model, self.device, self.kv_cache_dtype, self.block_size,
                                            ec.cache.gpu_memory_utilization, ec.batch.max_num_batched_tokens,
                                            ec.batch.max_num_seqs, max_model_len, self.use_cuda_graphs)
         for k, v in info.items(): setattr(self, k, v)

@@ -441,12 +441,14 @@ def prefill_flops(config, num_tokens: int) -> float:
 
 # %% ../nbs/13_measure.ipynb #b46bc73c
 def workload_limit(config, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
-                   bandwidth_GBps: float, matmul_TFLOPs: float, dtype_bytes: int = 2) -> dict:
-    "The least time a workload can take on a device with these rates, and its output tokens a second (see above)."
+                   bandwidth_GBps: float, matmul_TFLOPs: float, dtype_bytes: int = 2,
+                   kv_dtype_bytes: int | None = None) -> dict:
+    """The least time a workload can take on a device with these rates, and its output tokens a second (see above).
+    `kv_dtype_bytes`: the K/V cache's bytes a value (1 for fp8; None: `dtype_bytes`)."""
     decode = [max(0, n - 1) for n in output_lens]                # each request's first token comes from its prefill
     steps = max(max(decode, default=0), -(-sum(decode) // max_num_seqs))
     weight = steps * model_weight_bytes(config, dtype_bytes)
-    kv = kv_bytes_per_token(config, dtype_bytes) * sum(n * p + n * (n + 1) / 2 for p, n in zip(prompt_lens, decode))
+    kv = kv_bytes_per_token(config, kv_dtype_bytes or dtype_bytes) * sum(n * p + n * (n + 1) / 2 for p, n in zip(prompt_lens, decode))
     flops = sum(prefill_flops(config, p) for p in prompt_lens)
     memory_s, compute_s = (weight + kv) / (bandwidth_GBps * 1e9), flops / (matmul_TFLOPs * 1e12)
     return {"decode_steps": steps, "weight_bytes": weight, "kv_bytes": kv, "prefill_flops": flops,

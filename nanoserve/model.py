@@ -299,10 +299,14 @@ class AttentionMetadata:
 # %% ../nbs/02_model.ipynb #6e81975a
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    "Store new keys/values [T, kv_heads, D] into their cache slots."
+    """Store new keys/values [T, kv_heads, D] into their cache slots, rounded to the cache's dtype (an fp8 cache
+    saturates at its largest value, as a GPU's conversion does)."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [S, KVH, D]
-    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [S, KVH, D]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        new = new.to(cache.dtype)
+        if cache.dtype.itemsize == 1:   # fp8: copied as bytes (index_copy_ has no fp8 kernels)
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, new)  # [S, KVH, D]
 
 # %% ../nbs/02_model.ipynb #6429c703
 def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -311,8 +315,8 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     _, block_size, kv_heads, _ = k_cache.shape
     G = H // kv_heads
     L = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].view(B, L, kv_heads, D).transpose(1, 2)    # [B, KVH, L, D]
-    v = v_cache[block_tables].view(B, L, kv_heads, D).transpose(1, 2)    # [B, KVH, L, D]
+    k = k_cache[block_tables].view(B, L, kv_heads, D).transpose(1, 2).to(q.dtype)    # [B, KVH, L, D]
+    v = v_cache[block_tables].view(B, L, kv_heads, D).transpose(1, 2).to(q.dtype)    # [B, KVH, L, D]
     mask = (torch.arange(L, device=q.device)[None, :] < context_lens[:, None]).view(B, 1, 1, L)
     out = F.scaled_dot_product_attention(q.view(B, kv_heads, G, D), k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     return out.reshape(B, H, D)
@@ -323,8 +327,8 @@ def prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos, scale):
     n, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     G, ctx = H // kv_heads, start_pos + n
-    k = k_cache[block_table].view(-1, kv_heads, D)[:ctx].transpose(0, 1)   # [KVH, ctx, D]
-    v = v_cache[block_table].view(-1, kv_heads, D)[:ctx].transpose(0, 1)   # [KVH, ctx, D]
+    k = k_cache[block_table].view(-1, kv_heads, D)[:ctx].transpose(0, 1).to(q.dtype)   # [KVH, ctx, D]
+    v = v_cache[block_table].view(-1, kv_heads, D)[:ctx].transpose(0, 1).to(q.dtype)   # [KVH, ctx, D]
     qg = q.view(n, kv_heads, G, D).permute(1, 2, 0, 3).reshape(kv_heads, G * n, D)  # [KVH, G*n, D]
     i = torch.arange(n, device=q.device)[:, None] + start_pos
     mask = (torch.arange(ctx, device=q.device)[None, :] <= i)                       # [n, ctx]

@@ -28,7 +28,7 @@ from torch import nn
 from dataclasses import dataclass
 
 from .model import ModelConfig, Qwen2ForCausalLM, load_model, max_model_len_for
-from .runner import KernelConfig, ModelRunner, kv_cache_blocks, model_kernels
+from .runner import KernelConfig, ModelRunner, kv_cache_blocks, kv_cache_dtype, model_kernels
 
 
 # %% auto #0
@@ -202,7 +202,7 @@ def _worker_runner(spec: dict, conn) -> ModelRunner:
     model = load_shard(spec["model_dir"], dtype, device, rank, world_size)
     kernels = KernelConfig(**spec["kernels"])       # resolved by rank 0, for every rank alike
     model.set_kernels(model_kernels(kernels))
-    dtype = model.norm.weight.dtype
+    dtype = kv_cache_dtype(spec["kv_cache_dtype"], model.norm.weight.dtype)   # the cache's
     conn.send(("loaded", None))
     cfg, bs = model.config, spec["block_size"]
     max_model_len = max_model_len_for(cfg, spec["max_model_len"])

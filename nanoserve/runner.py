@@ -23,12 +23,13 @@ from .sampler import (LogitsProcessors, SamplingMetadata, reset_slots, sample, t
 from .scheduler import DecodeRows, Step
 
 # %% auto #0
-__all__ = ['KernelConfig', 'resolve_kernels', 'model_kernels', 'StepInputs', 'SamplingRows', 'sampling_rows', 'Sections',
-           'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager', 'decode_rows',
+__all__ = ['KV_CACHE_DTYPES', 'KernelConfig', 'resolve_kernels', 'model_kernels', 'StepInputs', 'SamplingRows', 'sampling_rows',
+           'Sections', 'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager', 'decode_rows',
            'pack_graph_step', 'add_feeds', 'SamplingExtras', 'add_extras', 'resolve_placeholders', 'processors_of',
            'start_slots', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer', 'RunnerSetup',
            'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice', 'Launched',
-           'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_block_bytes', 'step_peak_bytes', 'kv_cache_blocks']
+           'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_cache_dtype', 'kv_block_bytes', 'step_peak_bytes',
+           'kv_cache_blocks']
 
 # %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
@@ -442,6 +443,7 @@ class RunnerSetup:
 
     def __init__(self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, kernels: KernelConfig | None = None, num_penalty_slots: int = 64):
+        "`dtype`: the KV cache's (`kv_cache_dtype`: the model's, or fp8)."
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         self.kernels = (kernels or KernelConfig()).resolve(device)
@@ -482,9 +484,10 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     k_cache, v_cache = kv_caches[0]
     attn, kernels = model.layers[0].self_attn, model.kernels
     H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = torch.zeros(1, H, D, dtype=k_cache.dtype, device=device)                              # [1, H, D]
-    qkv = torch.zeros(1, (H + 2 * KVH) * D, dtype=k_cache.dtype, device=device)               # [1, (H+2KVH)*D]
-    cos = torch.ones(1, D, dtype=k_cache.dtype, device=device)                                # [1, D]
+    dtype = model.norm.weight.dtype                                  # the queries' (the cache's may be fp8)
+    q = torch.zeros(1, H, D, dtype=dtype, device=device)                                      # [1, H, D]
+    qkv = torch.zeros(1, (H + 2 * KVH) * D, dtype=dtype, device=device)                       # [1, (H+2KVH)*D]
+    cos = torch.ones(1, D, dtype=dtype, device=device)                                        # [1, D]
     table, ctx = torch.zeros(1, 1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int64, device=device)
     slots = torch.full((1,), -1, dtype=torch.int64, device=device)
     norm = None
@@ -829,6 +832,13 @@ def _unpack_floats(launched: Launched, floats: torch.Tensor) -> None:
 
 # %% ../nbs/10_runner.ipynb #4033f2f4
 _CPU_KV_CACHE_BYTES = 1 << 30
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}   # None: the model's dtype
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    "The K/V cache's dtype: the model's (`auto`), or fp8 e4m3 (`fp8`: half the bytes a token, twice the blocks)."
+    if name not in KV_CACHE_DTYPES: raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 def kv_block_bytes(model: Qwen2ForCausalLM, block_size: int, dtype: torch.dtype) -> int:

@@ -1541,6 +1541,8 @@ def _engine_args(e) -> None:
                    help="prepare step N+1 while step N runs (auto: async on a GPU)")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to split the model across")
     e.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the K/V cache's dtype (auto: the model's; fp8: e4m3, twice the blocks in the same memory)")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
     e.add_argument("--threads", type=int, default=None,
@@ -1616,7 +1618,7 @@ def engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
-                seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 mixed_step_graphs=not args.no_mixed_step_graphs, row_gemv=False if args.no_row_gemv else None,
                 pdl=False if args.no_pdl else None,
                 async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",

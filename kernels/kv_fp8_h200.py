@@ -1,0 +1,236 @@
+"""The fp8 (e4m3) K/V cache on the H200 (issue: quantization users bring, its K/V part).
+
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT [--parts check,kernel,quality,workload]
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --parts poisson --name kv_fp8_poisson_h200.json
+
+In the tutorials' order:
+- check: the kernels' fp8 writes against torch's rounding of the same fp32 values (`rope_cache` with a real rotation:
+  the share of bytes equal; the values copied as they are must all be), decode and prefill attention over an fp8
+  cache against the torch reference on the same cache, and an fp32 engine with an fp8 cache through the Triton
+  kernels and CUDA graphs against one through the torch reference (the same greedy tokens);
+- kernel: decode attention over a bf16 and an fp8 cache of the same contexts (batch 1, 64, 256 at 1,024 tokens;
+  Qwen3-0.6B's and Qwen2.5-0.5B's heads), interleaved, each timed twice: us a call and K/V GB/s;
+- quality: the trained tiny model in bf16 through the Triton kernels, fp8 cache against the bf16 cache (held-out
+  rows, teacher-forced: relative logit error, KL, top-1 agreement, perplexity);
+- workload: Qwen3-0.6B (random bf16 weights) on nano-vllm's workload with a bf16 and an fp8 cache, two engines in
+  one process with the same number of blocks (neither preempts), interleaved, fresh requests each round (the same
+  for both engines within a round), prefill included: output tokens/s;
+- poisson: the benchmark chapter's Poisson workload (0.5B shape, lognormal lengths, 64 requests, 32 slots) at
+  `--rate` through `nanoserve.bench.run_benchmark`, with `--blocks` bf16 blocks and twice as many fp8 blocks (the
+  same bytes): preemptions, recomputed tokens and throughput.
+Writes kv_fp8_h200.json (or `--name`). `--smoke`: the same code on the tiny model on the CPU, interpreted, tiny sizes.
+"""
+import dataclasses, gc, sys, time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import (LLM, SamplingParams, device_or_skip, disagree, free, is_smoke, median, parser,  # noqa: E402
+                 random_checkpoint, run_parts, saver, sync, tiny_model, time_cuda, warm)
+
+import torch  # noqa: E402
+
+from nanoserve.attention import (decode_attention, decode_attention_ref, prefill_attention,  # noqa: E402
+                                 prefill_attention_ref, rope_cache, rope_cache_ref)
+from nanoserve.bench import WorkloadSpec, make_workload, model_limits, run_benchmark  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _cache(num_blocks, bs, kvh, d, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(num_blocks, bs, kvh, d, generator=g, device=device),
+            torch.randn(num_blocks, bs, kvh, d, generator=g, device=device))
+
+
+def check_kernels(device, smoke: bool) -> dict:
+    "The fp8 writes against torch's rounding; decode and prefill over an fp8 cache against the reference on it."
+    H, KVH, D, bs = (4, 2, 16, 4) if smoke else (16, 8, 128, 16)
+    T, nb = (5, 16) if smoke else (512, 256)
+    g = torch.Generator(device=device).manual_seed(0)
+    qkv = 3 * torch.randn(T, (H + 2 * KVH) * D, generator=g, device=device)
+    ang = torch.rand(T, D // 2, generator=g, device=device) * 6.28
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)      # [T, D], as the model's table
+    slots = torch.randperm(nb * bs, generator=g, device=device)[:T]
+    kc, vc = torch.zeros(nb, bs, KVH, D, dtype=FP8, device=device), torch.zeros(nb, bs, KVH, D, dtype=FP8, device=device)
+    kr, vr = kc.clone(), vc.clone()
+    rope_cache(qkv, cos, sin, slots, kc, vc, H, KVH)
+    rope_cache_ref(qkv, cos, sin, slots, kr, vr, H, KVH)
+    written = lambda c: c.view(torch.uint8).view(nb * bs, KVH, D)[slots]            # [T, KVH, D] bytes
+    k_equal = (written(kc) == written(kr)).float().mean().item()
+    v_equal = (written(vc) == written(vr)).float().mean().item()
+    # reads: a full fp8 cache, bf16 queries (the interpreter has no bf16: fp32 under --smoke)
+    qdt = torch.float32 if smoke else torch.bfloat16
+    k32, v32 = _cache(nb, bs, KVH, D, device, 1)
+    k8, v8 = k32.to(FP8), v32.to(FP8)
+    B, L = (2, 3) if smoke else (64, 32)
+    tables = torch.stack([torch.randperm(nb, generator=g, device=device)[:L] for _ in range(B)])
+    ctx = torch.randint(1, L * bs + 1, (B,), generator=g, device=device)
+    q = torch.randn(B, H, D, generator=g, device=device).to(qdt)
+    out = decode_attention(q, k8, v8, tables, ctx, D ** -0.5, int(ctx.max()))
+    ref = decode_attention_ref(q.float(), k8, v8, tables, ctx, D ** -0.5)
+    dec_err = ((out.float() - ref).norm() / ref.norm()).item()
+    n = min(T, L * bs // 2)
+    qp = torch.randn(n, H, D, generator=g, device=device).to(qdt)
+    cu, start = torch.tensor([0, n], device=device), torch.tensor([L * bs - n], device=device)
+    outp = prefill_attention(qp, k8, v8, tables[:1], cu, start, n, D ** -0.5)
+    refp = prefill_attention_ref(qp.float(), k8, v8, tables[:1], cu, start, D ** -0.5)
+    pre_err = ((outp.float() - refp).norm() / refp.norm()).item()
+    res = {"heads": [H, KVH, D], "rope_cache_k_bytes_equal": k_equal, "rope_cache_v_bytes_equal": v_equal,
+           "decode_rel_err": dec_err, "prefill_rel_err": pre_err}
+    # (the interpreter rounds some values to fp8 wrongly: --smoke checks that the code runs, not the bytes)
+    assert (v_equal == 1.0 and k_equal > 0.999 or smoke) and dec_err < 2e-2 and pre_err < 2e-2, res
+    return res
+
+
+def check_engines(device, smoke: bool) -> dict:
+    "fp32 engines with an fp8 cache: the Triton kernels (and graphs) against the torch reference: greedy tokens."
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(8)]
+    sp = SamplingParams(max_tokens=8 if smoke else 40, temperature=0, ignore_eos=True)
+    toks = {}
+    for backend in ("triton", "torch"):
+        llm = LLM(tiny_model(), dtype="float32", device=device.type, kv_cache_dtype="fp8", num_kv_blocks=512,
+                  max_num_seqs=8, attention_backend=backend)
+        toks[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
+        del llm; gc.collect()
+    same = toks["triton"] == toks["torch"]
+    assert same or smoke, "fp8 engines: the Triton kernels' greedy tokens differ from the torch reference's"
+    return {"model": "tiny (fp32)", "prompts": len(prompts), "tokens_each": sp.max_tokens, "identical": same}
+
+
+def part_check(res, args, device, smoke):
+    res["check"] = {"kernels": check_kernels(device, smoke), "engines": check_engines(device, smoke)}
+    print(res["check"], flush=True)
+
+
+def part_kernel(res, args, device, smoke):
+    "Decode attention over bf16 and fp8 caches, interleaved, each timed twice."
+    rows = []
+    shapes = {"tiny": (4, 2, 16)} if smoke else {"qwen3-0.6B": (16, 8, 128), "0.5B": (14, 2, 64)}
+    for name, (H, KVH, D) in shapes.items():
+        for B in ((2,) if smoke else (1, 64, 256)):
+            ctx_len, bs = (24, 4) if smoke else (1024, 16)
+            L = ctx_len // bs
+            k32, v32 = _cache(B * L, bs, KVH, D, device, 2)
+            tables = torch.arange(B * L, device=device).view(B, L)
+            ctx = torch.full((B,), ctx_len, device=device)
+            q = torch.randn(B, H, D, device=device, dtype=torch.float32 if smoke else torch.bfloat16)
+            caches = {"bf16": (k32.to(q.dtype), v32.to(q.dtype)), "fp8": (k32.to(FP8), v32.to(FP8))}
+            row = {"shape": name, "heads": [H, KVH, D], "batch": B, "context": ctx_len}
+            for r in range(2):
+                for which in (("bf16", "fp8") if r == 0 else ("fp8", "bf16")):
+                    kc, vc = caches[which]
+                    warm(device, 0.5)
+                    fn = lambda: decode_attention(q, kc, vc, tables, ctx, D ** -0.5, ctx_len)
+                    us = median(time_cuda(fn, reps=3 if smoke else 200, device=device)) * 1e3
+                    row.setdefault(which, []).append(us)
+            for which, (kc, vc) in caches.items():
+                nbytes = 2 * B * ctx_len * KVH * D * kc.element_size()
+                row[which + "_disagree"] = disagree(*row[which])
+                row[which + "_GBps"] = nbytes / (median(row[which]) * 1e-6) / 1e9
+            row["fp8_over_bf16"] = median(row["fp8"]) / median(row["bf16"])
+            rows.append(row)
+            print(row, flush=True)
+    res["kernel"] = rows
+
+
+def part_quality(res, args, device, smoke):
+    "The tiny model in bf16 (fp32 under --smoke) through the Triton kernels: fp8 cache against the bf16 cache."
+    from quant_quality_cpu import sequence_logits
+    from nanoserve.model import load_model
+    from nanoserve.quant import logit_quality
+    from nanoserve.runner import KernelConfig, model_kernels
+    from nanoserve.train import heldout_rows
+    dtype = torch.float32 if smoke else torch.bfloat16
+    model = load_model(tiny_model(), dtype=dtype, device=device)
+    model.set_kernels(model_kernels(KernelConfig().resolve(device)))
+    rows = heldout_rows(tiny_model() / "tokenizer.json", num_rows=2 if smoke else 16, seq_len=32 if smoke else 256)
+    logits = lambda dt: torch.cat([sequence_logits(model, r[:-1].to(device), cache_dtype=dt) for r in rows]).float()
+    q = logit_quality(logits(None), logits(FP8), rows[:, 1:].reshape(-1).to(device))
+    res["quality"] = {"model": f"tiny ({str(dtype).removeprefix('torch.')}, Triton kernels)", "rows": int(rows.shape[0]),
+                      "seq_len": int(rows.shape[1] - 1), **q}
+    print(res["quality"], flush=True)
+
+
+def part_workload(res, args, device, smoke):
+    "Qwen3-0.6B, nano-vllm's workload, bf16 and fp8 caches of the same block count, interleaved."
+    model_dir = tiny_model() if smoke else random_checkpoint("qwen3-0.6B", device=device.type)
+    kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8 if smoke else 256,
+              max_num_batched_tokens=256 if smoke else 16384, num_kv_blocks=256 if smoke else args.workload_blocks)
+    engines = {c: LLM(model_dir, kv_cache_dtype=c, **kw) for c in ("auto", "fp8")}
+    vocab, max_len = model_limits(model_dir, {})
+    out = {"model": "tiny" if smoke else "qwen3-0.6B", "engine_kwargs": kw, "rounds": [], "numerator":
+           "output tokens actually generated (EOS ignored, every request to its max_tokens)"}
+    for llm in engines.values():                        # compile and capture outside the timed rounds
+        llm.generate([[5] * 32] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
+    for r in range(1 if smoke else args.rounds):
+        reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=8 if smoke else 256, seed=100 + r), vocab,
+                             min(max_len, engines["auto"].max_model_len))
+        if smoke: reqs = [type(q)(tuple(q.prompt_token_ids[:16]), 4) for q in reqs]
+        sp = [SamplingParams(max_tokens=q.max_tokens, temperature=0, ignore_eos=True) for q in reqs]
+        row = {"seed": 100 + r}
+        for c in (("auto", "fp8") if r % 2 == 0 else ("fp8", "auto")):
+            llm = engines[c]
+            warm(device, 0 if smoke else 3.0)
+            sync(device)
+            t0 = time.perf_counter()
+            outs = llm.generate([list(q.prompt_token_ids) for q in reqs], sp)
+            sync(device)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.token_ids) for o in outs)
+            assert n == sum(q.max_tokens for q in reqs)
+            row[c] = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt,
+                      "preemptions": sum(o.num_preemptions for o in outs)}
+        row["fp8_over_auto"] = row["fp8"]["output_tokens_per_s"] / row["auto"]["output_tokens_per_s"]
+        out["rounds"].append(row)
+        print(row, flush=True)
+    out["fp8_over_auto_median"] = median([r["fp8_over_auto"] for r in out["rounds"]])
+    out["num_kv_blocks"] = {c: e.num_kv_blocks for c, e in engines.items()}
+    res["workload"] = out
+    del engines; gc.collect(); free()
+
+
+def part_poisson(res, args, device, smoke):
+    "The Poisson benchmark with a bf16 cache of `--blocks` blocks and an fp8 cache of twice as many (the same bytes)."
+    model_dir = tiny_model() if smoke else random_checkpoint("0.5B", device=device.type)
+    spec = WorkloadSpec(kind="lognormal", num_requests=6 if smoke else 64, prompt_median=16 if smoke else 256,
+                        output_median=4 if smoke else 128, prompt_max=32 if smoke else 1024, output_max=8 if smoke else 512)
+    common = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=4 if smoke else 32,
+                  max_num_batched_tokens=256 if smoke else 2048)
+    blocks = 8 if smoke else args.blocks
+    rows = []
+    for c, nb in (("auto", blocks), ("fp8", 2 * blocks)):
+        kw = common | {"num_kv_blocks": nb} | ({"kv_cache_dtype": "fp8"} if c == "fp8" else {})
+        out = run_benchmark(model_dir, spec, ["continuous"], engine_kwargs=kw, rates=[args.rate], repeats=1 if smoke else 2,
+                            warmup_s=0.0 if smoke else 3.0, progress=False, profile_steps=0,
+                            limits=model_limits(model_dir, kw))
+        for run in out["runs"]:
+            for rep in run["reps"]:
+                rows.append({"kv_cache_dtype": c, "num_kv_blocks": nb, "rate": run["rate"],
+                             "preemptions": rep["preemptions"], "recomputed_tokens": rep["recomputed_tokens"],
+                             **{k: rep["summary"][k] for k in ("output_tokens", "output_tokens_per_s", "ttft_p50_s",
+                                                               "ttft_p99_s", "tpot_p50_s", "e2e_p99_s")}})
+                print(rows[-1], flush=True)
+    res["poisson"] = {"spec": dataclasses.asdict(spec), "engine_kwargs": common, "rows": rows}
+
+
+PARTS = {"check": part_check, "kernel": part_kernel, "quality": part_quality, "workload": part_workload,
+         "poisson": part_poisson}
+
+
+def main():
+    ap = parser(__doc__, out="figures/data", parts="check,kernel,quality,workload")
+    ap.add_argument("--name", default="kv_fp8_h200.json", help="the data file's name")
+    ap.add_argument("--rounds", type=int, default=3, help="workload: interleaved rounds")
+    ap.add_argument("--workload-blocks", type=int, default=16384, help="workload: KV blocks of each engine")
+    ap.add_argument("--blocks", type=int, default=384, help="poisson: the bf16 cache's blocks (fp8: twice)")
+    ap.add_argument("--rate", type=float, default=8.0, help="poisson: requests a second")
+    args = ap.parse_args()
+    smoke = is_smoke(args)
+    device = device_or_skip(args)
+    res = {"command": "PYTHONPATH=. python kernels/kv_fp8_h200.py " + " ".join(sys.argv[1:])}
+    save = saver(args.name, res, args)
+    run_parts({k: (lambda f: lambda: f(res, args, device, smoke))(f) for k, f in PARTS.items()}, args.parts, save)
+
+
+if __name__ == "__main__":
+    main()
