@@ -42,7 +42,10 @@ def sequence_logits(model, ids: torch.Tensor, block_size: int = 16, cache_dtype:
     nb = -(-T // block_size)
     caches = [tuple(torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
                     for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
-    meta = AttentionMetadata(torch.arange(T, device=dev), prefills=[PrefillChunk(0, T, 0, torch.arange(nb, device=dev))])
+    table = torch.arange(nb, device=dev)
+    meta = AttentionMetadata(torch.arange(T, device=dev), prefills=[PrefillChunk(0, T, 0, table)],
+                             prefill_block_tables=table[None], prefill_cu_q_lens=torch.tensor([0, T], device=dev),
+                             prefill_start_pos=torch.zeros(1, dtype=torch.long, device=dev), prefill_max_q_len=T)
     with torch.no_grad():
         return model.compute_logits(model(ids.to(dev), torch.arange(T, device=dev), caches, meta))
 

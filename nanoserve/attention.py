@@ -18,10 +18,10 @@ from .runtime import (
 
 # %% auto #0
 __all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
-           'decode_attention_ref', 'paged_kv', 'online_softmax', 'head_norm_pair', 'decode_rope', 'store_out',
-           'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel', 'decode_reduce_kernel',
-           'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits', 'split_buffers',
-           'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
+           'decode_attention_ref', 'paged_kv', 'query_for_cache', 'online_softmax', 'head_norm_pair', 'decode_rope',
+           'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel',
+           'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits',
+           'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
            'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
@@ -142,6 +142,16 @@ def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb,
     k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0).to(DTYPE)
     v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0).to(DTYPE)
     return k, v
+
+
+@triton.jit
+def query_for_cache(q, cache_ptr):
+    """The query [R, D] in the dtype of its products with the cache's tiles: fp16 over an fp8 cache (fp8 widens to
+    fp16 in one instruction a pair, to bf16 in several: the difference between reading at the bandwidth or not),
+    else its own."""
+    if cache_ptr.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
 
 # %% ../nbs/06_attention.ipynb #2b7d4c20
 @triton.jit
@@ -291,6 +301,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
     if UPCAST: q = q.to(tl.float32)
+    q = query_for_cache(q, k_cache_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
@@ -458,6 +469,7 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
         q = tl.load(q_ptr + (q_begin + i)[:, None] * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
         if UPCAST: q = q.to(tl.float32)
+        q = query_for_cache(q, k_cache_ptr)
         q_pos = start + i
         kv_end = start + tl.minimum((tile + 1) * BLOCK_M, num_q)            # keys [0, kv_end) can be seen
         m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
