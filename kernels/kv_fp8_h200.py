@@ -141,11 +141,12 @@ def part_quality(res, args, device, smoke):
     from nanoserve.model import load_model
     from nanoserve.quant import logit_quality
     from nanoserve.runner import KernelConfig, model_kernels
+    from nanoserve.tokenizer import default_model
     from nanoserve.train import heldout_rows
     dtype = torch.float32 if smoke else torch.bfloat16
-    model = load_model(tiny_model(), dtype=dtype, device=device)
+    model = load_model(default_model(), dtype=dtype, device=device)          # the trained one, not the smoke model
     model.set_kernels(model_kernels(KernelConfig().resolve(device)))
-    rows = heldout_rows(tiny_model() / "tokenizer.json", num_rows=2 if smoke else 16, seq_len=32 if smoke else 256)
+    rows = heldout_rows(default_model() / "tokenizer.json", num_rows=2 if smoke else 16, seq_len=32 if smoke else 256)
     logits = lambda dt: torch.cat([sequence_logits(model, r[:-1].to(device), cache_dtype=dt) for r in rows]).float()
     q = logit_quality(logits(None), logits(FP8), rows[:, 1:].reshape(-1).to(device))
     res["quality"] = {"model": f"tiny ({str(dtype).removeprefix('torch.')}, Triton kernels)", "rows": int(rows.shape[0]),
