@@ -12,7 +12,9 @@ inside CUDA graphs over caches that miss L2, for:
   hardware's limit for this loop, not an accurate kernel);
 - fp8 k only: keys fp8 (widened), values bf16 (which of the two tiles costs);
 - fp8 pairs: the fp8 cache read as 16-bit words, each widened to two fp16 values by bit arithmetic in registers
-  (`widen_e4m3`), so that no fp8 tensor reaches Triton's layout conversions.
+  (`widen_e4m3`), so that no fp8 tensor reaches Triton's layout conversions;
+- "paged": bf16 and fp8->f16 through a block table of int64 ids, addresses as the package's `paged_kv` makes them;
+  "paged rows": each key's offset in int64 once, the columns added in int32.
 Each is checked against torch on the same cache (relative error) and timed twice. Writes kv_fp8_tile_h200.json.
 `--smoke`: tiny sizes on the CPU, interpreted (the fp8 dot skipped: the interpreter cannot).
 """
@@ -44,8 +46,9 @@ def load_pairs(ptr, off2, mask, TILE_N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ctx, scale_log2, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                     D: tl.constexpr, KVH: tl.constexpr, TILE_N: tl.constexpr, MODE: tl.constexpr):
+def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx, scale_log2, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                     D: tl.constexpr, KVH: tl.constexpr, TILE_N: tl.constexpr, MODE: tl.constexpr,
+                     PAGED: tl.constexpr = 0, BS: tl.constexpr = 16):
     "One (sequence, KV head): softmax(q k^T) v over `ctx` contiguous keys [seq, pos, KVH, D]; MODE picks the dtypes."
     seq, kvh = tl.program_id(0), tl.program_id(1)
     g, d, n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, TILE_N)
@@ -65,6 +68,13 @@ def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ctx, scale_log2, G: tl.conste
             k = load_pairs(k_ptr, off2, (pos < ctx)[:, None], TILE_N, D)
             v = load_pairs(v_ptr, off2, (pos < ctx)[:, None], TILE_N, D)
         else:
+            if PAGED == 1:                   # through a block table of int64 ids, as the package's `paged_kv`
+                blk = tl.load(table_ptr + seq * (ctx // BS) + pos // BS, mask=pos < ctx, other=0)
+                off = blk[:, None] * (BS * KVH * D) + (pos % BS)[:, None] * (KVH * D) + kvh * D + d[None, :]
+            if PAGED == 2:                   # the same, the row's offset in int64 once, the columns added as int32
+                blk = tl.load(table_ptr + seq * (ctx // BS) + pos // BS, mask=pos < ctx, other=0)
+                row = blk * (BS * KVH * D) + ((pos % BS) * (KVH * D) + kvh * D).to(tl.int64)
+                off = row[:, None] + d[None, :]
             k = tl.load(k_ptr + off, mask=(pos < ctx)[:, None], other=0.0)
             v = tl.load(v_ptr + off, mask=(pos < ctx)[:, None], other=0.0)
         if MODE == 1:
@@ -84,7 +94,8 @@ def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ctx, scale_log2, G: tl.conste
     tl.store(out_ptr + (seq * KVH * G + kvh * G + g[:, None]) * D + d[None, :], out, mask=gm)
 
 
-MODES = {"bf16": 0, "fp8->f16": 1, "fp8 dot": 2, "fp8 k only": 3, "fp8 pairs": 4}
+MODES = {"bf16": (0, 0), "fp8->f16": (1, 0), "fp8 dot": (2, 0), "fp8 k only": (3, 0), "fp8 pairs": (4, 0),
+         "bf16 paged": (0, 1), "fp8->f16 paged": (1, 1), "bf16 paged rows": (0, 2), "fp8->f16 paged rows": (1, 2)}
 
 
 def caches(mode, k, v):
@@ -103,7 +114,9 @@ def ref(q, k, v, B, G, KVH, D):
 
 
 def main():
-    args = parser(__doc__, out="figures/data").parse_args()
+    ap = parser(__doc__, out="figures/data")
+    ap.add_argument("--name", default="kv_fp8_tile_h200.json", help="the data file's name")
+    args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)
     B, H, KVH, D, ctx, tile = (2, 4, 2, 16, 40, 16) if smoke else (256, 16, 8, 128, 1024, 128)
@@ -112,13 +125,15 @@ def main():
     v = torch.randn(B * ctx, KVH, D, device=device)
     q = torch.randn(B, H, D, device=device).to(torch.float32 if smoke else torch.bfloat16)
     rows = []
-    for mode, code in MODES.items():
-        if smoke and mode in ("fp8 dot", "bf16", "fp8 k only"): continue          # the interpreter: no bf16, no fp8 dot
+    table = torch.arange(B * ctx // 16 if not smoke else B * ctx // 4, device=device)     # [B * blocks]: in order
+    for mode, (code, paged) in MODES.items():
+        if smoke and (mode.startswith("bf16") or mode in ("fp8 dot", "fp8 k only")): continue          # the interpreter: no bf16, no fp8 dot
         kc, vc = caches(mode, k, v)
         kp, vp = (kc.view(torch.int16), vc.view(torch.int16)) if mode == "fp8 pairs" else (kc, vc)   # [.., D/2] words
         out = torch.empty(B, H, D, device=device, dtype=torch.float32)
-        call = lambda: tile_loop_kernel[(B, KVH)](q, kp, vp, out, ctx, D ** -0.5 * 1.4426950408889634, G=G,
-                                                  BLOCK_G=max(16, G), D=D, KVH=KVH, TILE_N=tile, MODE=code, num_warps=4)
+        call = lambda: tile_loop_kernel[(B, KVH)](q, kp, vp, out, table, ctx, D ** -0.5 * 1.4426950408889634, G=G,
+                                                  BLOCK_G=max(16, G), D=D, KVH=KVH, TILE_N=tile, MODE=code,
+                                                  PAGED=paged, BS=4 if smoke else 16, num_warps=4)
         call()
         err = ((out - ref(q, kc, vc, B, G, KVH, D)).norm() / ref(q, kc, vc, B, G, KVH, D).norm()).item()
         nbytes = kc.numel() * kc.element_size() + vc.numel() * vc.element_size()
@@ -129,7 +144,7 @@ def main():
         rows.append({"mode": mode, "rel_err": err, "us": times, "disagree": disagree(*times), "bytes": nbytes,
                      "GBps": nbytes / (median(times) * 1e-6) / 1e9})
         print(rows[-1], flush=True)
-    write("kv_fp8_tile_h200.json", {"batch": B, "heads": [H, KVH, D], "context": ctx, "tile": tile, "rows": rows}, args)
+    write(args.name, {"batch": B, "heads": [H, KVH, D], "context": ctx, "tile": tile, "rows": rows}, args)
 
 
 if __name__ == "__main__":
