@@ -99,7 +99,7 @@ MODES = {"bf16": (0, 0), "fp8->f16": (1, 0), "fp8 dot": (2, 0), "fp8 k only": (3
 
 
 def caches(mode, k, v):
-    if mode == "bf16": return k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if mode.startswith("bf16"): return k.to(torch.bfloat16), v.to(torch.bfloat16)
     if mode == "fp8 k only": return k.to(FP8), v.to(torch.bfloat16)
     return k.to(FP8), v.to(FP8)
 
