@@ -832,13 +832,13 @@ def _unpack_floats(launched: Launched, floats: torch.Tensor) -> None:
 
 # %% ../nbs/10_runner.ipynb #4033f2f4
 _CPU_KV_CACHE_BYTES = 1 << 30
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}   # None: the model's dtype
+KV_CACHE_DTYPES = ("auto", "fp8")      # the model's dtype; fp8 e4m3
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     "The K/V cache's dtype: the model's (`auto`), or fp8 e4m3 (`fp8`: half the bytes a token, twice the blocks)."
     if name not in KV_CACHE_DTYPES: raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
-    return KV_CACHE_DTYPES[name] or model_dtype
+    return torch.float8_e4m3fn if name == "fp8" else model_dtype
 
 
 def kv_block_bytes(model: Qwen2ForCausalLM, block_size: int, dtype: torch.dtype) -> int:
