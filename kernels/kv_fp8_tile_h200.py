@@ -14,7 +14,8 @@ inside CUDA graphs over caches that miss L2, for:
 - fp8 pairs: the fp8 cache read as 16-bit words, each widened to two fp16 values by bit arithmetic in registers
   (`widen_e4m3`), so that no fp8 tensor reaches Triton's layout conversions;
 - "paged": bf16 and fp8->f16 through a block table of int64 ids, addresses as the package's `paged_kv` makes them;
-  "paged rows": each key's offset in int64 once, the columns added in int32.
+  "paged rows": each key's offset in int64 once, the columns added in int32; "paged ids": one id a block (not one a
+  key), broadcast; "paged ahead": those ids for the next tile loaded a tile ahead.
 Each is checked against torch on the same cache (relative error) and timed twice. Writes kv_fp8_tile_h200.json.
 `--smoke`: tiny sizes on the CPU, interpreted (the fp8 dot skipped: the interpreter cannot).
 """
@@ -60,6 +61,7 @@ def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx, scale_log2, G
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, D], 0.0, tl.float32)
     base = seq * ctx * KVH * D + kvh * D
+    if PAGED == 4: ids_next = tl.load(table_ptr + seq * (ctx // BS) + tl.arange(0, TILE_N // BS))
     for t in range(0, tl.cdiv(ctx, TILE_N)):
         pos = t * TILE_N + n
         off = base + pos[:, None] * (KVH * D) + d[None, :]
@@ -75,6 +77,15 @@ def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx, scale_log2, G
                 blk = tl.load(table_ptr + seq * (ctx // BS) + pos // BS, mask=pos < ctx, other=0)
                 row = blk * (BS * KVH * D) + ((pos % BS) * (KVH * D) + kvh * D).to(tl.int64)
                 off = row[:, None] + d[None, :]
+            if PAGED == 3:                   # one id a block, broadcast to its keys
+                ids = tl.load(table_ptr + seq * (ctx // BS) + t * (TILE_N // BS) + tl.arange(0, TILE_N // BS))
+                blk = tl.reshape(tl.broadcast_to(ids[:, None], (TILE_N // BS, BS)), (TILE_N,))
+                off = blk[:, None] * (BS * KVH * D) + (pos % BS)[:, None] * (KVH * D) + kvh * D + d[None, :]
+            if PAGED == 4:                   # one id a block, the next tile's loaded a tile ahead
+                blk = tl.reshape(tl.broadcast_to(ids_next[:, None], (TILE_N // BS, BS)), (TILE_N,))
+                nxt = (t + 1) * (TILE_N // BS) + tl.arange(0, TILE_N // BS)
+                ids_next = tl.load(table_ptr + seq * (ctx // BS) + nxt, mask=nxt < ctx // BS, other=0)
+                off = blk[:, None] * (BS * KVH * D) + (pos % BS)[:, None] * (KVH * D) + kvh * D + d[None, :]
             k = tl.load(k_ptr + off, mask=(pos < ctx)[:, None], other=0.0)
             v = tl.load(v_ptr + off, mask=(pos < ctx)[:, None], other=0.0)
         if MODE == 1:
@@ -95,7 +106,8 @@ def tile_loop_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx, scale_log2, G
 
 
 MODES = {"bf16": (0, 0), "fp8->f16": (1, 0), "fp8 dot": (2, 0), "fp8 k only": (3, 0), "fp8 pairs": (4, 0),
-         "bf16 paged": (0, 1), "fp8->f16 paged": (1, 1), "bf16 paged rows": (0, 2), "fp8->f16 paged rows": (1, 2)}
+         "bf16 paged": (0, 1), "fp8->f16 paged": (1, 1), "bf16 paged rows": (0, 2), "fp8->f16 paged rows": (1, 2),
+         "fp8->f16 paged ids": (1, 3), "fp8->f16 paged ahead": (1, 4), "bf16 paged ids": (0, 3)}
 
 
 def caches(mode, k, v):
@@ -116,6 +128,7 @@ def ref(q, k, v, B, G, KVH, D):
 def main():
     ap = parser(__doc__, out="figures/data")
     ap.add_argument("--name", default="kv_fp8_tile_h200.json", help="the data file's name")
+    ap.add_argument("--modes", default="", help="comma-separated modes to run (default: all)")
     args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)
@@ -126,7 +139,9 @@ def main():
     q = torch.randn(B, H, D, device=device).to(torch.float32 if smoke else torch.bfloat16)
     rows = []
     table = torch.arange(B * ctx // 16 if not smoke else B * ctx // 4, device=device)     # [B * blocks]: in order
+    only = set(args.modes.split(",")) if args.modes else set(MODES)
     for mode, (code, paged) in MODES.items():
+        if mode not in only: continue
         if smoke and (mode.startswith("bf16") or mode in ("fp8 dot", "fp8 k only")): continue          # the interpreter: no bf16, no fp8 dot
         kc, vc = caches(mode, k, v)
         kp, vp = (kc.view(torch.int16), vc.view(torch.int16)) if mode == "fp8 pairs" else (kc, vc)   # [.., D/2] words
