@@ -135,3 +135,22 @@ def test_fp8_halves_a_blocks_bytes(ckpt):
 def test_a_bad_cache_dtype_is_refused_before_loading():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(kv_cache_dtype="fp4")
+
+
+def test_the_command_lines_pass_the_cache_dtype():
+    from nanoserve import bench, server
+    assert bench.engine_kwargs_from_args(bench.build_parser().parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in bench.engine_kwargs_from_args(bench.build_parser().parse_args([]))
+    assert server.engine_kwargs(server.build_parser().parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--kv-cache-dtype", "int8"])
+
+
+def test_the_benchmarks_limit_counts_one_byte_a_cached_value():
+    from nanoserve.bench import BenchRequest, physical_limit
+    from nanoserve.tokenizer import default_model
+    reqs = [BenchRequest(tuple(range(40)), 8)] * 4
+    auto = physical_limit(default_model(), reqs, {"device": "cpu"})
+    fp8 = physical_limit(default_model(), reqs, {"device": "cpu", "kv_cache_dtype": "fp8"})
+    assert fp8["kv_bytes"] * 4 == auto["kv_bytes"]          # fp32 on a CPU: 4 bytes a value against 1
+    assert fp8["weight_bytes"] == auto["weight_bytes"]
