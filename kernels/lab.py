@@ -18,7 +18,7 @@ Importing this module with `--smoke` on the command line sets TRITON_INTERPRET=1
 (CUDA_VISIBLE_DEVICES=""): both must happen before torch or the package is imported, which is why scripts import
 `lab` first. That is the lab's job, not the package's: the package reads TRITON_INTERPRET and never writes it.
 """
-import argparse, json, os, random, statistics, sys, tempfile, time
+import argparse, json, os, random, statistics, sys, tempfile, time, types
 from pathlib import Path
 
 SMOKE_ARGV = "--smoke" in sys.argv[1:]
@@ -481,12 +481,17 @@ def step_rates(model_dir, res, shape, batches, configs, key, steps=200, warm_s=1
 
 
 def decode_row(llm, shape, cname, b, repeats, profiled_steps=16, ledger_steps=32, prompt_len=128) -> dict:
-    """One steady-decode row of an engine at batch `b`: ms per `LLM.step()` (warm-up first, timed twice, >15%
-    apart flagged), the step ledger's decode phases, device kernels per step and the GPU's busy share from one
-    profiled window, the graphs' capture time and memory."""
+    """One steady-decode row of an engine at batch `b`: ms per `LLM.step()` over passes of `repeats` back-to-back
+    steps with one sync each (warm-up first, timed twice, >15% apart flagged), the step ledger's decode phases,
+    device kernels per step and the GPU's busy share from one profiled window, the graphs' capture time and memory.
+    (A sync after every step drains the asynchronous pipeline: the families files' batch-1 rows, timed that way,
+    read 15-25% above `step_ab_h200.py`'s back-to-back steps of the same shapes.)"""
     steady_decode(llm, b, prompt_len)
     warm(llm.device, 2.0)
-    t = time_twice(llm.step, warmup_s=0.3 if is_cuda(llm.device) else 0.0, repeats=repeats, device=llm.device)
+    step_ms(llm, 10)                                  # fills the asynchronous pipeline
+    first, second = step_ms(llm, repeats), step_ms(llm, repeats)
+    t = types.SimpleNamespace(first_ms=first, second_ms=second, median_ms=(first + second) / 2,
+                              disagree=disagree(first, second))
     ctx = sum(r.seq.num_prompt_tokens + len(r.seq.output_token_ids) for r in llm._requests.values()) / b
     steady_decode(llm, b, prompt_len, seed=1)
     llm.ledger = StepLedger()
