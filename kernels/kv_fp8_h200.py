@@ -24,14 +24,15 @@ import dataclasses, gc, sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, SamplingParams, device_or_skip, disagree, free, is_smoke, median, parser,  # noqa: E402
-                 graph_bench, random_checkpoint, run_parts, saver, sync, tiny_model, warm)
+from lab import (LLM, WorkloadSpec, device_or_skip, disagree, free, graph_bench, is_smoke, median,  # noqa: E402
+                 nanovllm_requests, parser, random_checkpoint, run_benchmark, run_parts,
+                 same_greedy_tokens, saver, sync, tiny_model, warm)
 
 import torch  # noqa: E402
 
 from nanoserve.attention import (decode_attention, decode_attention_ref, prefill_attention,  # noqa: E402
                                  prefill_attention_ref, rope_cache, rope_cache_ref)
-from nanoserve.bench import WorkloadSpec, make_workload, model_limits, run_benchmark  # noqa: E402
+from nanoserve.bench import model_limits  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -84,17 +85,13 @@ def check_kernels(device, smoke: bool) -> dict:
 
 def check_engines(device, smoke: bool) -> dict:
     "fp32 engines with an fp8 cache: the Triton kernels (and graphs) against the torch reference: greedy tokens."
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(2 if smoke else 8)]
-    sp = SamplingParams(max_tokens=4 if smoke else 40, temperature=0, ignore_eos=True)
-    toks = {}
-    for backend in ("triton", "torch"):
-        llm = LLM(tiny_model(), dtype="float32", device=device.type, kv_cache_dtype="fp8", num_kv_blocks=512,
-                  max_num_seqs=8, attention_backend=backend)
-        toks[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
-        del llm; gc.collect()
-    same = toks["triton"] == toks["torch"]
+    num_prompts, max_tokens = (2, 4) if smoke else (8, 40)
+    engines = [LLM(tiny_model(), dtype="float32", device=device.type, kv_cache_dtype="fp8", num_kv_blocks=512,
+                   max_num_seqs=8, attention_backend=backend) for backend in ("triton", "torch")]
+    same = same_greedy_tokens(engines, num_prompts, max_tokens)
+    del engines; gc.collect()
     assert same or smoke, "fp8 engines: the Triton kernels' greedy tokens differ from the torch reference's"
-    return {"model": "tiny (fp32)", "prompts": len(prompts), "tokens_each": sp.max_tokens, "identical": same}
+    return {"model": "tiny (fp32)", "prompts": num_prompts, "tokens_each": max_tokens, "identical": same}
 
 
 def part_check(res, args, device, smoke):
@@ -163,17 +160,12 @@ def part_workload(res, args, device, smoke):
     vocab, max_len = model_limits(model_dir, {})
     out = {"model": "tiny" if smoke else "qwen3-0.6B", "engine_kwargs": kw, "rounds": [], "numerator":
            "output tokens actually generated (EOS ignored, every request to its max_tokens)"}
+    workload = lambda seed: nanovllm_requests(vocab, min(max_len, engines["auto"].max_model_len), smoke=smoke, seed=seed)
     for llm in engines.values():      # one untimed run of the whole workload each (another seed): every kernel compiled
-        reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=8 if smoke else 256, seed=99), vocab,
-                             min(max_len, llm.max_model_len))
-        if smoke: reqs = [type(q)(tuple(q.prompt_token_ids[:16]), 4) for q in reqs]
-        llm.generate([list(q.prompt_token_ids) for q in reqs],
-                     [SamplingParams(max_tokens=q.max_tokens, temperature=0, ignore_eos=True) for q in reqs])
+        reqs, sp = workload(99)
+        llm.generate([list(q.prompt_token_ids) for q in reqs], sp)
     for r in range(1 if smoke else args.rounds):
-        reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=8 if smoke else 256, seed=100 + r), vocab,
-                             min(max_len, engines["auto"].max_model_len))
-        if smoke: reqs = [type(q)(tuple(q.prompt_token_ids[:16]), 4) for q in reqs]
-        sp = [SamplingParams(max_tokens=q.max_tokens, temperature=0, ignore_eos=True) for q in reqs]
+        reqs, sp = workload(100 + r)
         row = {"seed": 100 + r}
         for c in (("auto", "fp8") if r % 2 == 0 else ("fp8", "auto")):
             llm = engines[c]

@@ -18,7 +18,7 @@ Importing this module with `--smoke` on the command line sets TRITON_INTERPRET=1
 (CUDA_VISIBLE_DEVICES=""): both must happen before torch or the package is imported, which is why scripts import
 `lab` first. That is the lab's job, not the package's: the package reads TRITON_INTERPRET and never writes it.
 """
-import argparse, json, os, random, statistics, sys, tempfile, time, types
+import argparse, json, os, random, statistics, sys, tempfile, time
 from pathlib import Path
 
 SMOKE_ARGV = "--smoke" in sys.argv[1:]
@@ -261,10 +261,10 @@ def step_ms(llm, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def same_greedy_tokens(engines) -> bool:
-    "The same greedy tokens from every engine (an iterable of `LLM`s) for the same 8 requests."
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(8)]
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+def same_greedy_tokens(engines, num_prompts: int = 8, max_tokens: int = 40) -> bool:
+    "The same greedy tokens from every engine (an iterable of `LLM`s) for the same `num_prompts` requests."
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(20 + 9 * i)] for i in range(num_prompts)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     outs = [[o.token_ids for o in llm.generate(prompts, sp)] for llm in engines]
     return all(o == outs[0] for o in outs)
 
@@ -481,17 +481,12 @@ def step_rates(model_dir, res, shape, batches, configs, key, steps=200, warm_s=1
 
 
 def decode_row(llm, shape, cname, b, repeats, profiled_steps=16, ledger_steps=32, prompt_len=128) -> dict:
-    """One steady-decode row of an engine at batch `b`: ms per `LLM.step()` over passes of `repeats` back-to-back
-    steps with one sync each (warm-up first, timed twice, >15% apart flagged), the step ledger's decode phases,
-    device kernels per step and the GPU's busy share from one profiled window, the graphs' capture time and memory.
-    (A sync after every step drains the asynchronous pipeline: the families files' batch-1 rows, timed that way,
-    read 15-25% above `step_ab_h200.py`'s back-to-back steps of the same shapes.)"""
-    steady_decode(llm, b, prompt_len)
-    warm(llm.device, 2.0)
-    step_ms(llm, 10)                                  # fills the asynchronous pipeline
-    first, second = step_ms(llm, repeats), step_ms(llm, repeats)
-    t = types.SimpleNamespace(first_ms=first, second_ms=second, median_ms=(first + second) / 2,
-                              disagree=disagree(first, second))
+    """One steady-decode row of an engine at batch `b`: ms per `LLM.step()` (`step_ms_twice`: passes of `repeats`
+    back-to-back steps, timed twice, >15% apart flagged), the step ledger's decode phases, device kernels per step
+    and the GPU's busy share from one profiled window, the graphs' capture time and memory. (A sync after every
+    step, as this row once timed it, drains the asynchronous pipeline: the families files' batch-1 rows read 15-25%
+    above `step_ab_h200.py`'s back-to-back steps of the same shapes.)"""
+    first, second, flagged = step_ms_twice(llm, b, repeats, prompt_len, warm_s=2.0)
     ctx = sum(r.seq.num_prompt_tokens + len(r.seq.output_token_ids) for r in llm._requests.values()) / b
     steady_decode(llm, b, prompt_len, seed=1)
     llm.ledger = StepLedger()
@@ -500,8 +495,9 @@ def decode_row(llm, shape, cname, b, repeats, profiled_steps=16, ledger_steps=32
     with profile_run(llm.device) as run:
         for _ in range(profiled_steps): llm.step()
     graphs = llm.runner.graphs
-    return {"shape": shape, "config": cname, "batch": b, "ms_per_step": [t.first_ms, t.second_ms], "mean_context": ctx,
-            "median_ms": t.median_ms, "disagree": t.disagree, "tokens_per_s": b / (t.median_ms / 1e3),
+    mid = (first + second) / 2
+    return {"shape": shape, "config": cname, "batch": b, "ms_per_step": [first, second], "mean_context": ctx,
+            "median_ms": mid, "disagree": flagged, "tokens_per_s": b / (mid / 1e3),
             "kernels_per_step": count_device_kernels(run.events) / profiled_steps,
             "gpu_busy": busy_share(run) if is_cuda(llm.device) else None,
             "profiled_ms_per_step": run.wall_s / profiled_steps * 1e3, "ledger_decode": ledger,
@@ -541,10 +537,10 @@ def floor_rows(res, configs: dict) -> None:
 
 
 def nanovllm_requests(vocab_size: int = 151936, max_model_len: int = 32768, num_requests: int = 256,
-                      smoke: bool = False):
+                      smoke: bool = False, seed: int = 0):
     """nano-vllm's workload: 256 requests, prompt and output lengths uniform in 100..1024, EOS ignored (under
     --smoke the first 8, their prompts cut to 16 tokens, 4 tokens out): (requests, sampling parameters)."""
-    reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=num_requests, seed=0), vocab_size, max_model_len)
+    reqs = make_workload(WorkloadSpec(kind="nanovllm", num_requests=num_requests, seed=seed), vocab_size, max_model_len)
     if smoke: reqs = [type(r)(tuple(r.prompt_token_ids[:16]), 4) for r in reqs[:8]]
     return reqs, [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
 

@@ -23,8 +23,7 @@ from .model import load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
 from .quant import (QuantConfig, QuantLinear, QuantReport, load_quantized_model, quantize_model,
                              read_checkpoint_quant, weight_bytes)
-from .runner import (KV_CACHE_DTYPES, KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, kv_cache_dtype,
-                              model_kernels)
+from .runner import KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, kv_cache_dtype, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
@@ -77,8 +76,7 @@ class CacheSpec:
     kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": e4m3, one byte a value (twice the blocks)
 
     def __post_init__(self):
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        kv_cache_dtype(self.kv_cache_dtype, torch.float32)       # the runner's check of the name
         _positive_int("block_size", self.block_size, optional=False)
         _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -202,16 +202,16 @@ def _worker_runner(spec: dict, conn) -> ModelRunner:
     model = load_shard(spec["model_dir"], dtype, device, rank, world_size)
     kernels = KernelConfig(**spec["kernels"])       # resolved by rank 0, for every rank alike
     model.set_kernels(model_kernels(kernels))
-    dtype = kv_cache_dtype(spec["kv_cache_dtype"], model.norm.weight.dtype)   # the cache's
+    cache_dtype = kv_cache_dtype(spec["kv_cache_dtype"], model.norm.weight.dtype)   # the model's, or fp8
     conn.send(("loaded", None))
     cfg, bs = model.config, spec["block_size"]
     max_model_len = max_model_len_for(cfg, spec["max_model_len"])
     num_blocks = spec["num_kv_blocks"] or kv_cache_blocks(
-        model, device, dtype, bs, spec["utilization"], spec["max_num_batched_tokens"], spec["max_num_seqs"],
+        model, device, cache_dtype, bs, spec["utilization"], spec["max_num_batched_tokens"], spec["max_num_seqs"],
         max_model_len, kernels.cuda_graphs)[0]
     conn.send(("kv_blocks", num_blocks))
     _, num_blocks, max_model_len, graph_sizes = conn.recv()          # ("runners", ...) from rank 0
-    runner = ModelRunner(model, num_blocks, bs, device, dtype, kernels, num_penalty_slots=spec["max_num_seqs"])
+    runner = ModelRunner(model, num_blocks, bs, device, cache_dtype, kernels, num_penalty_slots=spec["max_num_seqs"])
     if device.type == "cuda" and kernels.attention_backend == "triton": runner.compile_kernels()
     if graph_sizes: runner.enable_graphs(graph_sizes[0], max_model_len, token_sizes=graph_sizes[1])
     conn.send(("ready", None))

@@ -27,7 +27,7 @@ def on_grid(*shape, seed=0, scale=2.0):
 
 
 def paged(num_blocks=12, block_size=4, kvh=2, d=16, seed=0):
-    "An fp8 K/V cache full of fp8 values, and a scattered block table per sequence."
+    "An fp8 K/V cache [num_blocks, block_size, kvh, d] full of fp8 values (the tests give each sequence its blocks)."
     kc, vc = on_grid(num_blocks, block_size, kvh, d, seed=seed).to(FP8), on_grid(num_blocks, block_size, kvh, d, seed=seed + 1).to(FP8)
     return kc, vc
 
