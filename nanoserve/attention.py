@@ -18,8 +18,8 @@ from .runtime import (
 
 # %% auto #0
 __all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
-           'decode_attention_ref', 'paged_kv', 'query_for_cache', 'online_softmax', 'head_norm_pair', 'decode_rope',
-           'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel',
+           'decode_attention_ref', 'paged_kv', 'query_for_cache', 'online_softmax', 'attend_tile', 'head_norm_pair',
+           'decode_rope', 'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel',
            'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits',
            'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
            'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
@@ -165,6 +165,14 @@ def online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr = "tf32"):
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
+
+@triton.jit
+def attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    "Fold a tile of keys `k` and values `v` [TILE_N, D] (`valid`: the context's positions) into the running state."
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    return online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+
 # %% ../nbs/06_attention.ipynb #5e2f8a40
 @triton.jit
 def head_norm_pair(xa, xb, weight_ptr, d, partner, eps, HEAD_DIM: tl.constexpr):
@@ -180,8 +188,9 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
                 t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr, k_norm_ptr, eps,
                 NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 TILE_N: tl.constexpr, QK_NORM: tl.constexpr):
-    """The query heads [BLOCK_G, D] of token `seq`'s QKV row, rotated. Its KV head's key (rotated) and value go to
-    the token's cache slot, written by the program whose tiles [t_begin, t_end) hold the token (the context's last)."""
+    """(query heads [BLOCK_G, D], key [1, D], value [1, D]) of token `seq`'s QKV row, query and key rotated, key and
+    value rounded to the cache's dtype. They go to the token's cache slot too, written by the program whose tiles
+    [t_begin, t_end) hold the token (the context's last)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     row = q_ptr + seq * stride_qt
     first = (d < HALF)[None, :]
@@ -207,7 +216,7 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
         tl.store(k_cache_ptr + dst, k_new)
         tl.store(v_cache_ptr + dst, v_new)
     tl.debug_barrier()                                # the slot written before any thread of the program reads it
-    return q
+    return q, k_new, v_new
 
 # %% ../nbs/06_attention.ipynb #3f8b1d57
 @triton.jit
@@ -281,38 +290,43 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
                             ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
-                            DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False):
+                            DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False,
+                            PREFETCH: tl.constexpr = True):
     pdl_launch_next(PDL)
-    pdl_wait(PDL)                           # the query and this step's keys come from the kernels before
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + seq)
+    if not PREFETCH: pdl_wait(PDL)          # the control: nothing loaded before the kernels before have finished
+    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)   # the step's tables and older keys: written before the step's first kernel
     t_begin, t_end, num_used = split_tiles(ctx, split, TILE_N, NUM_SPLITS, BY_CONTEXT)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    n = tl.arange(0, TILE_N)
-    heads = kvh * G + g
-    gm = g[:, None] < G
+    g, d, n = tl.arange(0, BLOCK_G), tl.arange(0, HEAD_DIM), tl.arange(0, TILE_N)
+    heads, gm = kvh * G + g, g[:, None] < G
+    table_ptr = block_tables_ptr + seq * stride_bt
+    pos = t_begin * TILE_N + n              # the first tile: its older keys in flight while the kernels before finish
+    k_old, v_old = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, (pos < ctx - 1) & (t_begin < t_end), kvh, d,
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
+    if PREFETCH: pdl_wait(PDL)              # the query and this step's key and value come from the kernels before
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
-        q = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx, kvh, heads, gm,
-                        d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs, stride_ch, q_norm_ptr,
-                        k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE, TILE_N, QK_NORM)
-    else:
+        q, k_new, v_new = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx,
+                                      kvh, heads, gm, d, t_begin, t_end, stride_qt, stride_cos, stride_cb, stride_cs,
+                                      stride_ch, q_norm_ptr, k_norm_ptr, eps, NUM_HEADS, G, HEAD_DIM, BLOCK_SIZE,
+                                      TILE_N, QK_NORM)
+    else:           # this step's key and value are in the cache (`rope_cache` wrote them)
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
+        k_new, v_new = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos == ctx - 1, kvh, d, stride_cb,
+                                stride_cs, stride_ch, BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
     if UPCAST: q = q.to(tl.float32)
     q = query_for_cache(q, k_cache_ptr)
+    is_new = (pos == ctx - 1)[:, None]      # the first tile holds this step's token: its key from registers
+    k = tl.where(is_new, k_new.to(q.dtype), k_old.to(q.dtype))
+    v = tl.where(is_new, v_new.to(q.dtype), v_old.to(q.dtype))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
-    for t in range(t_begin, t_end):
+    if t_begin < t_end: m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    for t in range(t_begin + 1, t_end):
         pos = t * TILE_N + n
-        valid = pos < ctx
-        k, v = paged_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, valid, kvh, d,
-                        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+        k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos < ctx, kvh, d, stride_cb, stride_cs, stride_ch,
+                        BLOCK_SIZE, q.dtype)
+        m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
     if split < num_used:                    # a split past the context's tiles (only under BY_CONTEXT) stores nothing
         decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g,
                       gm, d, num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
@@ -375,14 +389,17 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 # %% ../nbs/06_attention.ipynb #9c1e5b70
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
-                     rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True):
+                     rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
+                     prefetch: bool = True):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
     `qkv` instead (`q` is then only its shape, or None with `out` given), rotates it and the step's key, and
     writes the key and value to their slots (`rope_cache`'s work; the new token is the last of its context), with
     `qk_norm` = (q weight, k weight, eps) normalising each head first. `splits_by_context` (with the in-kernel
-    merge): only the splits a context gives tiles to store and merge (False: all `num_splits`, the control)."""
+    merge): only the splits a context gives tiles to store and merge (False: all `num_splits`, the control).
+    `prefetch`: each program loads its first tile of older keys before waiting on the kernels before (under `pdl`;
+    False: after, the control)."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -407,7 +424,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(like),
-        BY_CONTEXT=merge and splits_by_context, num_warps=4, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
@@ -514,26 +531,27 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
 # %% ../nbs/06_attention.ipynb #8ca92d60
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
                     pdl: bool = False, rope_in_decode: bool = True, qk_norm: tuple | None = None,
-                    splits_by_context: bool = True):
+                    splits_by_context: bool = True, prefetch: bool = True):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
     kernels use programmatic dependent launch (the runtime chapter). A decode-only step with `rope_in_decode` is
     one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control).
     `qk_norm` = (q weight, k weight, eps): Qwen3's per-head norm, done by whichever kernel rotates.
-    `splits_by_context`: the decode kernel runs only the splits each context has tiles for (False: all, the control)."""
+    `splits_by_context`: the decode kernel runs only the splits each context has tiles for (False: all, the control);
+    `prefetch`: it loads its first tile before waiting on the kernels before (False: after, the control)."""
     nd = meta.num_decode_tokens
+    decode_kw = dict(splits_by_context=splits_by_context, prefetch=prefetch)
     if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                 meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,
-                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm,
-                                splits_by_context=splits_by_context)
+                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm, **decode_kw)
     q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl,
                    qk_norm=qk_norm)
     out = torch.empty_like(q)
     if nd:
         decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                          meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out[:nd], pdl=pdl,
-                         splits_by_context=splits_by_context)
+                         **decode_kw)
     if nd < q.shape[0]:
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q_lens,
                           meta.prefill_start_pos, meta.prefill_max_q_len, scale, out=out[nd:],

@@ -43,6 +43,7 @@ class KernelConfig:
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
     decode_splits_by_context: bool = True  # the decode kernel runs only the splits a context has tiles for
+    decode_prefetch: bool = True           # the decode kernel's first tile loads before it waits on the kernel before
     qk_norm_in_attention: bool = True      # Qwen3's q/k norms inside the RoPE kernels (False: norms of their own)
     fast_argmax: bool = True               # up to 16 rows: `argmax_rows` (many programs a row), not torch's
     cuda_graphs: bool = True               # False: every step runs eagerly
@@ -81,9 +82,9 @@ def resolve_kernels(k: KernelConfig, device: torch.device) -> KernelConfig:
 def model_kernels(k: KernelConfig) -> ModelKernels:
     "The forward pass's kernel table for a resolved `KernelConfig`."
     if k.attention_backend == "torch": attention = paged_attention_ref
-    elif k.rope_in_decode and k.decode_splits_by_context: attention = paged_attention
+    elif k.rope_in_decode and k.decode_splits_by_context and k.decode_prefetch: attention = paged_attention
     else: attention = partial(paged_attention, rope_in_decode=k.rope_in_decode,
-                              splits_by_context=k.decode_splits_by_context)
+                              splits_by_context=k.decode_splits_by_context, prefetch=k.decode_prefetch)
     return ModelKernels(attention=attention,
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
@@ -477,10 +478,10 @@ class RunnerSetup:
 
 # %% ../nbs/10_runner.ipynb #892fda7d
 def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device,
-                            splits_by_context: bool = True) -> None:
+                            splits_by_context: bool = True, prefetch: bool = True) -> None:
     """Compile every variant of the Triton decode kernel an eager step can launch: split-K of 1 to 16, with RoPE
-    inside and without, as the model's kernel table launches them (`splits_by_context` as its `KernelConfig` says).
-    Writes nothing (the one slot is -1)."""
+    inside and without, as the model's kernel table launches them (`splits_by_context` and `prefetch` as its
+    `KernelConfig` says). Writes nothing (the one slot is -1)."""
     k_cache, v_cache = kv_caches[0]
     attn, kernels = model.layers[0].self_attn, model.kernels
     H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -492,11 +493,11 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     slots = torch.full((1,), -1, dtype=torch.int64, device=device)
     norm = None
     if attn.q_norm is not None and kernels.qk_norm_in_attention: norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+    kw = dict(pdl=kernels.pdl, splits_by_context=splits_by_context, prefetch=prefetch)
     for splits in (1, 2, 4, 8, 16):
-        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, pdl=kernels.pdl,
-                         splits_by_context=splits_by_context)
+        decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, **kw)
         decode_attention(None, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, out=torch.empty_like(q),
-                         pdl=kernels.pdl, rope=(qkv, cos, cos, slots), qk_norm=norm, splits_by_context=splits_by_context)
+                         rope=(qkv, cos, cos, slots), qk_norm=norm, **kw)
 
 # %% ../nbs/10_runner.ipynb #7a5489c9
 def _graph_k(k: int) -> int: return k if k <= 0 or k > 20 else (5 if k <= 5 else 20)
@@ -594,7 +595,8 @@ class RunnerGraphs(RunnerSetup):
     @torch.inference_mode()
     def compile_kernels(self) -> None:
         "Compile the decode kernel's variants now (a second each, then a disk-cache hit), not mid-request."
-        compile_decode_variants(self.model, self.kv_caches, self.device, self.kernels.decode_splits_by_context)
+        compile_decode_variants(self.model, self.kv_caches, self.device, self.kernels.decode_splits_by_context,
+                                self.kernels.decode_prefetch)
 
 # %% ../nbs/10_runner.ipynb #f70fead4
 class RunnerHost(RunnerGraphs):

@@ -30,16 +30,23 @@ ints = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "
                            "stride_oh", "stride_cos")}
 ints["scale_log2"] = ints["eps"] = "fp32"
 out = {}
+def loads_before_wait(ptx: str) -> int:
+    "Global loads the PTX issues before its wait on the kernel before (by position in the text)."
+    return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+
 for rope in (False, True):          # the 0.5B heads at batch 1: 16 splits merged by the last one
-    ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
-        NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=16, MERGE=True,
-        UPCAST=False, ROPE=rope, QK_NORM=False, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True))
-    out[f"decode rope={rope}"] = {"bar": ptx.count("bar.sync"), "st": ptx.count("st.global"),
-                                  "gdc": ptx.count("griddepcontrol.wait")}
+    for prefetch in (True, False):
+        ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
+            NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=16, MERGE=True,
+            UPCAST=False, ROPE=rope, QK_NORM=False, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True,
+            PREFETCH=prefetch))
+        out[f"decode rope={rope}" + ("" if prefetch else " late")] = {
+            "bar": ptx.count("bar.sync"), "st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
+            "early_ld": loads_before_wait(ptx)}
 for norm in (False, True):          # Qwen3-0.6B's heads, RoPE inside, its q/k norms folded in or not
     ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
         NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
-        UPCAST=False, ROPE=True, QK_NORM=norm, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True))
+        UPCAST=False, ROPE=True, QK_NORM=norm, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True))
     out[f"decode qwen3 norm={norm}"] = {"rsqrt": ptx.count("rsqrt."), "ld": ptx.count("ld.global")}
 ptx = compile_ptx(F.argmax_rows_kernel, {"x_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
                                          "out_ptr": "*i64", "counter_ptr": "*i32"},
@@ -76,11 +83,15 @@ def k():
 
 def test_step_kernels_compile_for_hopper(k):
     """The decode kernel with RoPE and the cache write inside (`ROPE`, with Qwen3's q/k norms too), `argmax_rows`,
-    `copy_rows` and `load_step` compile for sm_90 as the engine launches them; the RoPE variant adds the cache stores and one barrier (the owning split's
-    writes, before its threads read the tile), and keeps waiting for the kernel before it."""
+    `copy_rows` and `load_step` compile for sm_90 as the engine launches them; the RoPE variant adds the cache stores
+    (and keeps a barrier: the owning split's writes, before its threads read a later tile), and keeps waiting for the
+    kernel before it. With `PREFETCH` the context length, the block table and the first tile's keys and values load
+    before that wait; without it (the control) nothing does."""
     plain, rope = k["decode rope=False"], k["decode rope=True"]
-    assert rope["bar"] == plain["bar"] + 1 and rope["st"] > plain["st"]
+    assert rope["bar"] >= 1 and rope["st"] > plain["st"]
     assert rope["gdc"] == plain["gdc"] == 1
+    for name in ("decode rope=False", "decode rope=True"):
+        assert k[name]["early_ld"] >= 4 and k[name + " late"]["early_ld"] == 0, (k[name], k[name + " late"])
     folded, unfolded = k["decode qwen3 norm=True"], k["decode qwen3 norm=False"]     # Qwen3's q/k norms inside:
     assert folded["rsqrt"] > unfolded["rsqrt"] and folded["ld"] > unfolded["ld"]       # a root, the weights loaded
     assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
