@@ -167,7 +167,7 @@ def decode_row(dev, name, H, KVH, D, kc, vc, B, ctx_len, bw_peak) -> dict:
             "triton_graph_ms": g_tri, "sdpa_graph_ms": g_ref,
             "speedup_eager": min(t_ref) / min(t_tri), "speedup_graph": min(g_ref) / tmin,
             "kv_bytes": nbytes, "GBps": nbytes / tmin / 1e6, "roofline_share": nbytes / tmin / 1e6 / bw_peak,
-            "splits": choose_num_splits(B, KVH, ctx_len, tile_n(bs), num_sms(dev)),
+            "splits": choose_num_splits(B, KVH, ctx_len, tile_n(bs), num_sms(dev), D),
             "disagree": d1 or d2 or d3 or d4}
 
 

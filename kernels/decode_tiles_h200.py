@@ -42,7 +42,7 @@ def launch(q, kc, vc, bt, cl, max_ctx, out, tile, warps, stages):
     "The package's decode launcher with the tile, warps and stages given (rope off, in-kernel merge)."
     B, H, D = q.shape
     KVH = kc.shape[2]
-    splits = choose_num_splits(B, KVH, max_ctx, tile, num_sms(q.device))
+    splits = choose_num_splits(B, KVH, max_ctx, tile, num_sms(q.device), D)
     part_out, part_lse, counters = split_buffers(out, KVH, splits, splits > 1)
     extra = {} if stages is None else {"num_stages": stages}
     decode_attention_kernel[(B, KVH, splits)](
@@ -146,7 +146,7 @@ def rope1(dev, bw, smoke) -> list:
     shapes = {"tiny": (4, 2, 16)} if smoke else {"qwen3-0.6B": (16, 8, 128), "qwen2.5-0.5B": (14, 2, 64)}
     rows = []
     for name, (H, KVH, D) in shapes.items():
-        graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(16), num_sms(dev))
+        graphs_splits = choose_num_splits(1, KVH, 64 if smoke else 40960, tile_n(16), num_sms(dev), D)
         variants = [(s, False) for s in (1, 2, 4, 8, 16)] + [(graphs_splits, True)]
         for ctx in ((20,) if smoke else (64, 200, 512, 1024, 2048)):
             (kc, vc, table, cl, rope, norm), ref = rope1_case(dev, H, KVH, D, ctx, dtype)

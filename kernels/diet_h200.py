@@ -34,7 +34,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
 9. profileb1: the profile at batch 1 alone, for the defaults and each control; profile7bq: the 7B at batch 1, bf16,
    INT4, and INT4 with the LM head quantized; gemv05: the gemv sweep for the 0.5B
    shapes only (1024-wide K tiles tried first); gemvfam: the same for Qwen3-0.6B; gemvfam2: for Qwen3-1.7B,
-   Llama-3.2-1B and Llama-3.1-8B (whose projections are Mistral-7B's); profileq3: the
+   Llama-3.2-1B and Llama-3.1-8B (whose projections are Mistral-7B's); splitsq3: the splits sweep at Qwen3-0.6B's
+   heads (16 query, 8 KV, head dim 128), under "splits_qwen3"; profileq3: the
    profile of Qwen3-0.6B at batch 1; profile256: the profile at 256 rows from 1,000-token contexts (nano-vllm's
    workload at its widest), under "long"; rate1b / rate7bb: as rate / rate7b, under "rate_after";
 10. ab / ab7b: an interleaved A/B: the defaults and a control (`--before`: a configuration name whose phrases
@@ -79,7 +80,7 @@ RUN = (dict(dtype="float32", kv_blocks=512, prompt_len=16, long_prompt=64, warm_
             vocab=3072, hidden=64, parity_prompts=(7, 33, 64, 100), parity_tokens=8,
             decode_cases=((1, 17), (3, 40)), splits=(1, 2), rope_cases=((1, 17, 1), (3, 40, 2)),
             norm_shapes=((192, 64), (352, 64)), argmax_rows=(1, 8, 20), logits_rows=(1, 20),
-            split_cases=((1, 64), (2, 32))) if SMOKE_ARGV else
+            split_cases=((1, 64), (2, 32)), split_cases_q3=((2, 32),)) if SMOKE_ARGV else
        dict(dtype="bfloat16", kv_blocks=16384, prompt_len=128, long_prompt=2000, warm_steps=20, steps=200, rounds=None,
             vocab=151936, hidden=896, parity_prompts=(7, 33, 64, 100, 130, 257, 1000, 1500), parity_tokens=48,
             decode_cases=((1, 17), (3, 700), (64, 129), (8, 4000)), splits=(1, 2, 4, 8, 16),
@@ -87,7 +88,9 @@ RUN = (dict(dtype="float32", kv_blocks=512, prompt_len=16, long_prompt=64, warm_
             norm_shapes=((1152, 896), (9728, 896), (4608, 3584), (37888, 3584)), argmax_rows=(1, 8, 64, 256),
             logits_rows=(1, 16, 64, 256),
             split_cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
-                         (64, 256))))
+                         (64, 256)),
+            split_cases_q3=((1, 256), (1, 1024), (8, 1024), (16, 1024), (32, 1024), (64, 512), (64, 1024),
+                            (64, 2048), (128, 1024))))
 
 # The controls a configuration's name asks for, as engine overrides (`LLM(..., **controls(name))`): each phrase in
 # the name turns one of the engine's kernel fields to its control value.
@@ -572,11 +575,12 @@ def quant_one_row(res, budget_s=60.0):
 
 
 def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
-                             (64, 256)), splits=(1, 2, 4, 8, 16)):
-    """The decode kernel at the 0.5B shape's heads (14 query, 2 KV, head dim 64, blocks of 16) for batch x context
-    cases and split counts, timed by graph_bench over KV-cache copies; with the split the package's rule picks."""
-    H, KVH, D, bs = 14, 2, 64, 16
-    rows = res["splits"] = []
+                             (64, 256)), splits=(1, 2, 4, 8, 16), heads=(14, 2, 64), key="splits"):
+    """The decode kernel at `heads` (query heads, KV heads, head dim: the 0.5B shape's by default; blocks of 16) for
+    batch x context cases and split counts, timed by graph_bench over KV-cache copies; with the split the package's
+    rule picks. Written under `key`."""
+    (H, KVH, D), bs = heads, 16
+    rows = res[key] = []
     for B, ctx in cases:
         nblk = ctx // bs
         nbytes = 2 * B * ctx * KVH * D * 2                      # K and V bytes the step reads
@@ -586,8 +590,8 @@ def split_sweep(res, cases=((1, 1024), (1, 4096), (8, 1024), (32, 1024), (64, 10
         table = torch.randperm(B * nblk, device=DEVICE).view(B, nblk)                      # [B, nblk]
         lens = torch.full((B,), ctx, device=DEVICE, dtype=torch.int64)
         q = torch.randn(B, H, D, device=DEVICE, dtype=KDTYPE)
-        row = {"batch": B, "context": ctx, "rule": choose_num_splits(B, KVH, ctx, tile_n(bs), num_sms(q.device)),
-               "us": {}}
+        rule = choose_num_splits(B, KVH, ctx, tile_n(bs), num_sms(q.device), D)
+        row = {"batch": B, "context": ctx, "rule": rule, "us": {}}
         for sp in splits:
             if sp > ctx // tile_n(bs): continue
             row["us"][sp] = min(graph_bench(lambda i: (lambda: decode_attention(q, caches[i][0], caches[i][1], table,
@@ -631,6 +635,8 @@ def main():
     rate_kw = dict(steps=4, prompt_len=16) if smoke else {}
     parts = {"gemv": lambda: gemv_sweep(res, **(dict(shapes=("tiny",), budget_s=0.0, pdl=False) if smoke else {})),
              "splits": lambda: split_sweep(res, RUN["split_cases"], RUN["splits"]),
+             "splitsq3": lambda: split_sweep(res, RUN["split_cases_q3"], RUN["splits"], heads=(16, 8, 128),
+                                             key="splits_qwen3"),
              "gemv05": lambda: gemv_sweep(res, shapes=("0.5B",), budget_s=120.0),
              "gemvfam": lambda: gemv_sweep(res, shapes=("qwen3-0.6B",), budget_s=120.0),
              "gemvfam2": lambda: gemv_sweep(res, shapes=("qwen3-1.7B", "llama3.2-1B", "llama3.1-8B"), budget_s=150.0),

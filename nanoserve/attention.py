@@ -372,9 +372,12 @@ def dot_precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 # %% ../nbs/06_attention.ipynb #7f4b1e26
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, tile_n: int, sms: int) -> int:
-    "Split-K rule: about four programs per multiprocessor, a power of two, at most 16 and no more than the tiles."
-    want = min((4 * sms) // (batch * num_kv_heads), triton.cdiv(max_context_len, tile_n), 16)
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, tile_n: int, sms: int,
+                      head_dim: int = 64) -> int:
+    """Split-K rule: about four programs per multiprocessor at head sizes up to 64 (two at 128: the same bytes a
+    tile), a power of two, at most 16 and no more than the tiles."""
+    programs = (4 * sms * 64) // max(head_dim, 64)
+    want = min(programs // (batch * num_kv_heads), triton.cdiv(max_context_len, tile_n), 16)
     return 1 << max(0, want.bit_length() - 1)     # round down to a power of two (1 when want is 0)
 
 # %% ../nbs/06_attention.ipynb #5d7a2c49
@@ -407,7 +410,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     out = torch.empty(B, H, D, dtype=like.dtype, device=like.device) if out is None else out
     if B == 0: return out
     tile = tile_n(block_size)
-    if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device))
+    if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device), D)
     merge = num_splits > 1 and merge_in_kernel
     part_out, part_lse, counters = split_buffers(out, KVH, num_splits, merge)
     assert qk_norm is None or rope is not None, "qk_norm is applied with the rotation: pass rope"

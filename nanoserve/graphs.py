@@ -65,7 +65,8 @@ def decode_splits(model: Qwen2ForCausalLM, batch_sizes: list[int], max_model_len
                   device: torch.device) -> dict[int, int]:
     "The decode kernel's split-K count of each bucket, chosen for the longest context the engine allows."
     tile = tile_n(block_size)
-    return {b: choose_num_splits(b, model.num_local_kv_heads, max_model_len, tile, num_sms(device))
+    head_dim = model.layers[0].self_attn.head_dim
+    return {b: choose_num_splits(b, model.num_local_kv_heads, max_model_len, tile, num_sms(device), head_dim)
             for b in batch_sizes}
 
 # %% ../nbs/09_cuda_graphs.ipynb #44016323
