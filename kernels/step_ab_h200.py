@@ -15,7 +15,7 @@ import gc, sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, SamplingParams, device_or_skip, dtype_of, is_smoke, median, parser,  # noqa: E402
+from lab import (LLM, SamplingParams, command, device_or_skip, dtype_of, is_smoke, median, parser,  # noqa: E402
                  random_checkpoint, same_greedy_tokens, steady_decode, step_ms, tiny_model, warm, write)
 
 
@@ -72,8 +72,7 @@ def main():
     for shape in shapes:
         rows.append(one_shape(shape, args, device, smoke))
         write(args.name, {"field": args.field, "prompt_len": args.prompt_len, "shapes": rows,
-                          "command": f"PYTHONPATH=. python kernels/step_ab_h200.py --field {args.field} "
-                                     f"--shapes {args.shapes} --batches {args.batches} --rounds {args.rounds}"}, args)
+                          "command": command()}, args)
         import torch
         if device.type == "cuda": torch.cuda.empty_cache()
 
