@@ -35,7 +35,8 @@ Random weights of the 0.5B shape, bf16, the GPU defaults (CUDA graphs, fused ker
    INT4, and INT4 with the LM head quantized; gemv05: the gemv sweep for the 0.5B
    shapes only (1024-wide K tiles tried first); gemvfam: the same for Qwen3-0.6B; gemvfam2: for Qwen3-1.7B,
    Llama-3.2-1B and Llama-3.1-8B (whose projections are Mistral-7B's); splitsq3: the splits sweep at Qwen3-0.6B's
-   heads (16 query, 8 KV, head dim 128), under "splits_qwen3"; profileq3: the
+   heads (16 query, 8 KV, head dim 128), under "splits_qwen3"; profile256q3: profile256's profile for Qwen3-0.6B at
+   256, 64 and 16 rows from 600-token prompts (its workload's wide, middle and narrow steps); profileq3: the
    profile of Qwen3-0.6B at batch 1; profile256: the profile at 256 rows from 1,000-token contexts (nano-vllm's
    workload at its widest), under "long"; rate1b / rate7bb: as rate / rate7b, under "rate_after";
 10. ab / ab7b: an interleaved A/B: the defaults and a control (`--before`: a configuration name whose phrases
@@ -641,6 +642,9 @@ def main():
              "gemvfam": lambda: gemv_sweep(res, shapes=("qwen3-0.6B",), budget_s=120.0),
              "gemvfam2": lambda: gemv_sweep(res, shapes=("qwen3-1.7B", "llama3.2-1B", "llama3.1-8B"), budget_s=150.0),
              "profileq3": lambda: profile(checkpoint("qwen3-0.6B", args)[0], res, batches=(1,), **tiny),
+             "profile256q3": lambda: [profile_long(checkpoint("qwen3-0.6B", args)[0], res, **(
+                 dict(batch=b, prompt_len=32, steps=2, rate_steps=4) if smoke else dict(batch=b, prompt_len=600)))
+                 for b in ((4,) if smoke else (256, 64, 16))],
              "ab": lambda: interleaved(d05, res, s05, **ab_kw, before=args.before.split(";")[0]),
              "ab1": lambda: [interleaved(d05, res, s05, batches=(1,), rounds=10, before=b)
                              for b in args.before.split(";")],
