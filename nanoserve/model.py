@@ -22,7 +22,7 @@ __all__ = ['FAMILIES', 'ROPE_TYPES', 'TORCH_KERNELS', 'SHAPES', 'check_supported
            'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'write_kv', 'decode_attention_ref',
            'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm',
            'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
-           'Qwen2ForCausalLM', 'load_state_dict', 'load_model']
+           'Qwen2ForCausalLM', 'load_state_dict', 'model_from_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 FAMILIES = MappingProxyType({       # model_type -> what its config.json leaves out
@@ -583,22 +583,24 @@ def _our_params(cfg: ModelConfig, ckpt: dict) -> dict[str, torch.Tensor]:
     return out
 
 # %% ../nbs/02_model.ipynb #4ad872fa
-def load_model(model_dir, dtype: torch.dtype | None = None, device="cpu") -> Qwen2ForCausalLM:
-    "Build our decoder from a Hugging Face model folder (config.json + safetensors) of any family in `FAMILIES`."
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_model_dir(model_dir)
-    dtype = dtype or _DTYPES[cfg.dtype]
+def model_from_state_dict(cfg: ModelConfig, ckpt: dict, dtype: torch.dtype, device="cpu",
+                          where: str = "checkpoint") -> Qwen2ForCausalLM:
+    "Our decoder of `cfg` from checkpoint tensors `ckpt` (by their checkpoint names), in `dtype` on `device`."
     with torch.device("meta"): model = Qwen2ForCausalLM(cfg)
-    params = _our_params(cfg, load_state_dict(model_dir))
-    expected = dict(model.named_parameters())
-    for name, p in expected.items():
+    params = _our_params(cfg, ckpt)
+    for name, p in model.named_parameters():
         if p.shape != params[name].shape:
-            raise ValueError(f"{model_dir}: tensor for {name} has shape {tuple(params[name].shape)}, "
+            raise ValueError(f"{where}: tensor for {name} has shape {tuple(params[name].shape)}, "
                              f"config.json implies {tuple(p.shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in params.items()}, strict=True, assign=True)
     model.rotary.build(device, dtype)       # replaces the meta-device buffer
-    model = model.to(device=device)
-    return model.eval().requires_grad_(False)
+    return model.to(device=device).eval().requires_grad_(False)
+
+
+def load_model(model_dir, dtype: torch.dtype | None = None, device="cpu") -> Qwen2ForCausalLM:
+    "Build our decoder from a Hugging Face model folder (config.json + safetensors) of any family in `FAMILIES`."
+    cfg = ModelConfig.from_model_dir(model_dir)
+    return model_from_state_dict(cfg, load_state_dict(model_dir), dtype or _DTYPES[cfg.dtype], device, str(model_dir))
 
 # %% ../nbs/02_model.ipynb #23628d9f
 def _frozen(d: dict) -> MappingProxyType: return MappingProxyType(d)

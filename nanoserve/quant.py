@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_state_dict,
-                             read_config_json)
+                             model_from_state_dict, read_config_json)
 from .runtime import (INTERPRET, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
                                split_counters, split_tiles, sum_last)
 
@@ -38,10 +38,10 @@ __all__ = ['METHODS', 'NIBBLES', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 
            'quant_gemm_kernel', 'quant_tables', 'kernels_support', 'choose_split_k', 'words_path', 'gemv_config',
            'gemv_tile', 'f16_path', 'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
            'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
-           'QuantReport', 'quantize_model', 'CheckpointQuant', 'checkpoint_quant', 'unpack_int32', 'pack_int32',
-           'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'checkpoint_layer', 'fused_quant_linear',
-           'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'logit_quality',
-           'quantized_linear_bytes']
+           'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32',
+           'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'checkpoint_layer',
+           'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'fp8_dequantize',
+           'fp8_state_dict', 'load_fp8_model', 'fp8_quantize', 'write_fp8', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -1153,21 +1153,34 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantiz
 @dataclass(frozen=True)
 class CheckpointQuant:
     "A pre-quantized checkpoint's format, as its `quantization_config` states it."
-    method: str                     # "awq" or "gptq"
-    group_size: int
+    method: str                     # "awq", "gptq" or "fp8"
+    group_size: int                 # AWQ's and GPTQ's (0 for fp8)
     act_order: bool = False         # GPTQ's desc_act: groups numbered in the tool's order of the inputs
     zeros_minus_one: bool = True    # GPTQ's first checkpoint format stores each zero point minus one
+    weight_block: tuple | None = None   # fp8: (rows, columns) a scale covers; None: a scale a tensor or a row
 
 # %% ../nbs/08_quant.ipynb #b8305a59
 def _refuse(method: str, what: str) -> None: raise ValueError(f"{method} checkpoint: {what} is not supported")
+
+
+def fp8_format(d: dict) -> CheckpointQuant:
+    "An fp8 `quantization_config`: e4m3 weights, a scale a `weight_block_size` block (or a tensor, or a row)."
+    if str(d.get("fmt", "e4m3")).lower() != "e4m3": _refuse("fp8", f"fmt {d['fmt']!r} (only e4m3)")
+    if d.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        _refuse("fp8", f"activation_scheme {d['activation_scheme']!r}")
+    block = d.get("weight_block_size")
+    if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        _refuse("fp8", f"weight_block_size {block!r} (two positive integers)")
+    return CheckpointQuant("fp8", 0, weight_block=None if block is None else tuple(block))
 
 
 def checkpoint_quant(d: dict | None) -> CheckpointQuant | None:
     "The format of a `quantization_config` dict (None: not a quantized checkpoint); unsupported variants refused."
     if not d: return None
     method = str(d.get("quant_method", "")).lower()
+    if method == "fp8": return fp8_format(d)
     if method not in ("awq", "gptq"): raise ValueError(f"quantization_config: quant_method {method!r} is not supported "
-                                                       "(supported: awq, gptq)")
+                                                       "(supported: awq, gptq, fp8)")
     if d.get("bits") != 4: _refuse(method, f"bits {d.get('bits')!r} (only 4)")
     g = d.get("group_size")
     if not isinstance(g, int) or g < 32 or g % 32: _refuse(method, f"group_size {g!r} (a multiple of 32)")
@@ -1328,6 +1341,80 @@ def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed
         {"version": "gemm", "zero_point": True} if fmt == "awq" else {"desc_act": act_order, "sym": False})
     cfg = hf.config.to_dict() | {"quantization_config": quant}
     (folder / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+# %% ../nbs/08_quant.ipynb #d61b92d7
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple | None) -> torch.Tensor:
+    """An e4m3 `weight` [N, K] times its fp32 scales, in fp32: one a (rows, columns) `block` [ceil(N/r), ceil(K/c)],
+    else one a tensor ([] or [1]) or a row ([N] or [N, 1])."""
+    N, K = weight.shape
+    s = scale.float()
+    if block is not None:
+        r, c = block
+        want = (-(-N // r), -(-K // c))
+        if tuple(s.shape) != want:
+            raise ValueError(f"fp8 checkpoint: a {N} x {K} weight in {r} x {c} blocks has {want} scales, got {tuple(s.shape)}")
+        s = s.repeat_interleave(r, 0)[:N].repeat_interleave(c, 1)[:, :K]                        # [N, K]
+    elif s.numel() in (1, N): s = s.reshape(-1, 1)                                                # [1 or N, 1]
+    else: raise ValueError(f"fp8 checkpoint: a {N} x {K} weight with {tuple(s.shape)} scales (one, or one a row)")
+    return weight.float() * s
+
+# %% ../nbs/08_quant.ipynb #02fbb34a
+def fp8_state_dict(ckpt: dict, q: CheckpointQuant) -> dict:
+    "`ckpt` with every e4m3 weight dequantized (its scale tensors, and any `input_scale`, taken out)."
+    suffix = "weight_scale_inv" if q.weight_block is not None else "weight_scale"
+    for name in [n for n, v in ckpt.items() if v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]:
+        if ckpt[name].dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
+            _refuse("fp8", f"tensor {name} in {ckpt[name].dtype} (only e4m3 weights)")
+        scale = ckpt.pop(f"{name[:-len('weight')]}{suffix}", None)
+        if scale is None: raise KeyError(f"fp8 checkpoint lacks {name[:-len('weight')]}{suffix}")
+        ckpt[name] = fp8_dequantize(ckpt[name], scale, q.weight_block)
+    for name in [n for n in ckpt if n.endswith(".input_scale")]: del ckpt[name]
+    return ckpt
+
+
+def load_fp8_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
+    "Our decoder from an fp8 checkpoint, its weights dequantized into `dtype` (the config's `torch_dtype` if None)."
+    cfg = ModelConfig.from_model_dir(model_dir)
+    ckpt = fp8_state_dict(load_state_dict(model_dir), q)
+    return model_from_state_dict(cfg, ckpt, dtype or _DTYPES[cfg.dtype], device, str(model_dir))
+
+# %% ../nbs/08_quant.ipynb #3a917686
+def fp8_quantize(w: torch.Tensor, block: tuple | None) -> tuple:
+    "(e4m3 values, fp32 scales) of `w` [N, K]: each block's (or the tensor's) largest magnitude to e4m3's 448."
+    if block is None: s = (w.abs().amax().float() / 448).clamp(min=1e-12).reshape(())
+    else:
+        r, c = block
+        N, K = w.shape
+        pad = F.pad(w.float().abs(), (0, -K % c, 0, -N % r))                         # [ceil(N/r) r, ceil(K/c) c]
+        s = (pad.view(pad.shape[0] // r, r, pad.shape[1] // c, c).amax((1, 3)) / 448).clamp(min=1e-12)
+    values = (w.float() / fp8_dequantize(torch.ones_like(w, dtype=torch.float8_e4m3fn), s, block)).clamp(-448, 448)
+    return values.to(torch.float8_e4m3fn), s
+
+# %% ../nbs/08_quant.ipynb #b4bf7653
+def write_fp8(folder, block: tuple | None = (128, 128), family: str = "Qwen3", seed: int = 0, **kw):
+    """A random transformers `family` checkpoint in `folder`, its projections in e4m3 as fp8 checkpoints store them
+    (block scales `weight_scale_inv`, or a scale a tensor `weight_scale` with an `input_scale`); returns
+    transformers' model holding the dequantized weights, the oracle."""
+    import transformers
+    from safetensors.torch import save_file
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=512, hidden_size=160, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=48, max_position_embeddings=256, tie_word_embeddings=False) | kw
+    hf = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**cfg)).eval()
+    out = {}
+    for name, w in hf.state_dict().items():
+        if not name.endswith("_proj.weight"): out[name] = w.contiguous(); continue
+        values, s = fp8_quantize(w, block)
+        out[name] = values
+        out[name[:-len("weight")] + ("weight_scale_inv" if block else "weight_scale")] = s
+        if block is None: out[name[:-len("weight")] + "input_scale"] = torch.tensor(1.0)
+        hf.get_parameter(name).data.copy_(fp8_dequantize(values, s, block))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_file(out, str(Path(folder) / "model.safetensors"))
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" if block else "static"}
+    quant |= {"weight_block_size": list(block)} if block else {}
+    (Path(folder) / "config.json").write_text(json.dumps(hf.config.to_dict() | {"quantization_config": quant}))
     return hf
 
 # %% ../nbs/08_quant.ipynb #0c365d2d
