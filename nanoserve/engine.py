@@ -21,7 +21,7 @@ import torch
 from .block_manager import BlockManager
 from .model import load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
-from .quant import (QuantConfig, QuantLinear, QuantReport, load_fp8_model, load_quantized_model,
+from .quant import (QuantConfig, QuantLinear, QuantReport, load_dequantized_model, load_quantized_model,
                              quantize_model, read_checkpoint_quant, weight_bytes)
 from .runner import KernelConfig, ModelRunner, SamplingRows, kv_cache_blocks, kv_cache_dtype, model_kernels
 from .graphs import graph_batch_sizes, graph_token_sizes
@@ -281,9 +281,9 @@ class EngineLoad(EngineSetup):
     "Loading: the model (sharded across ranks, or quantized), its kernels, the tokenizer and the stop tokens."
 
     def _check_prequantized(self, ec) -> None:
-        "A pre-quantized checkpoint loads in one process; AWQ and GPTQ as they are (no quantization on top)."
+        "A pre-quantized checkpoint loads in one process; AWQ and 4-bit GPTQ as they are (no quantization on top)."
         cq = self.checkpoint_quant
-        if ec.quant.method is not None and cq.method != "fp8":
+        if ec.quant.method is not None and not cq.dequantized:
             raise ValueError(f"{self.model_dir} is already quantized ({cq.method}): leave quantization unset")
         if ec.parallel.tensor_parallel_size != 1:
             raise ValueError(f"{cq.method} checkpoints with tensor_parallel_size > 1 are not supported")
@@ -293,8 +293,8 @@ class EngineLoad(EngineSetup):
         tp = ec.parallel.tensor_parallel_size
         cq = self.checkpoint_quant = read_checkpoint_quant(self.model_dir)   # AWQ, GPTQ or fp8 (its chapter)
         if cq is not None: self._check_prequantized(ec)
-        if cq is not None and cq.method == "fp8":                          # dequantized into `dtype` at load
-            self.model = load_fp8_model(self.model_dir, cq, dtype, self.device)
+        if cq is not None and cq.dequantized:                   # fp8, GPTQ 8-bit: into `dtype` at load
+            self.model = load_dequantized_model(self.model_dir, cq, dtype, self.device)
         elif cq is not None:
             self.model = load_quantized_model(self.model_dir, cq, dtype, self.device)
         elif tp != 1:
@@ -306,7 +306,7 @@ class EngineLoad(EngineSetup):
         self.kv_cache_dtype = kv_cache_dtype(ec.cache.kv_cache_dtype, self.dtype)   # the model's, or fp8
         self.quant_report = None       # weight-only quantization (its chapter), before the KV cache is sized
         q = ec.quant
-        if cq is not None and cq.method != "fp8":
+        if cq is not None and not cq.dequantized:
             n, b = sum(isinstance(m, QuantLinear) for m in self.model.modules()), weight_bytes(self.model)
             self.quant_report = QuantReport(self.checkpoint_quant.method, self.checkpoint_quant.group_size, b, b, n)
         elif q.method is not None:

@@ -39,9 +39,10 @@ __all__ = ['METHODS', 'NIBBLES', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 
            'gemv_tile', 'f16_path', 'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
            'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
            'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32',
-           'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'checkpoint_layer',
-           'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'fp8_dequantize',
-           'fp8_state_dict', 'load_fp8_model', 'fp8_quantize', 'write_fp8', 'logit_quality', 'quantized_linear_bytes']
+           'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
+           'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense',
+           'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize',
+           'write_fp8', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -1158,6 +1159,12 @@ class CheckpointQuant:
     act_order: bool = False         # GPTQ's desc_act: groups numbered in the tool's order of the inputs
     zeros_minus_one: bool = True    # GPTQ's first checkpoint format stores each zero point minus one
     weight_block: tuple | None = None   # fp8: (rows, columns) a scale covers; None: a scale a tensor or a row
+    bits: int = 4                   # GPTQ: 4, or 8 (loaded dequantized)
+
+    @property
+    def dequantized(self) -> bool:
+        "Loaded as dense weights in the model's dtype (fp8, GPTQ 8-bit), not repacked for the INT4 kernels."
+        return self.method == "fp8" or self.bits == 8
 
 # %% ../nbs/08_quant.ipynb #b8305a59
 def _refuse(method: str, what: str) -> None: raise ValueError(f"{method} checkpoint: {what} is not supported")
@@ -1181,7 +1188,9 @@ def checkpoint_quant(d: dict | None) -> CheckpointQuant | None:
     if method == "fp8": return fp8_format(d)
     if method not in ("awq", "gptq"): raise ValueError(f"quantization_config: quant_method {method!r} is not supported "
                                                        "(supported: awq, gptq, fp8)")
-    if d.get("bits") != 4: _refuse(method, f"bits {d.get('bits')!r} (only 4)")
+    bits = d.get("bits")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        _refuse(method, f"bits {bits!r} (only 4{' or 8' if method == 'gptq' else ''})")
     g = d.get("group_size")
     if not isinstance(g, int) or g < 32 or g % 32: _refuse(method, f"group_size {g!r} (a multiple of 32)")
     if d.get("modules_to_not_convert"): _refuse(method, f"modules_to_not_convert {d['modules_to_not_convert']!r}")
@@ -1191,26 +1200,29 @@ def checkpoint_quant(d: dict | None) -> CheckpointQuant | None:
         return CheckpointQuant("awq", g)
     fmt = d.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"): _refuse("gptq", f"checkpoint_format {fmt!r}")
-    return CheckpointQuant("gptq", g, bool(d.get("desc_act", False)), fmt == "gptq")
+    return CheckpointQuant("gptq", g, bool(d.get("desc_act", False)), fmt == "gptq", bits=bits)
 
 # %% ../nbs/08_quant.ipynb #196d8d2a
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # AWQ's GEMM layout: nibble i of a word holds value AWQ_ORDER[i] of its 8
 
 # %% ../nbs/08_quant.ipynb #807aca5b
-def unpack_int32(packed: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    "int32 words of 8 4-bit values along `dim` -> uint8 values, 8 times as many along `dim` (word i, value order[j])."
+def unpack_int32(packed: torch.Tensor, dim: int, order: tuple | None = None, bits: int = 4) -> torch.Tensor:
+    """int32 words of 32 / `bits` values along `dim` -> uint8 values, that many times as many along `dim` (word i,
+    value order[j]; `order` defaults to their own)."""
+    n, mask = 32 // bits, (1 << bits) - 1
     words = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF                     # [..., W]
-    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], -1)          # [..., W, 8]: nibble order
-    values = torch.empty_like(nibbles)
-    values[..., list(order)] = nibbles                                               # value order
+    fields = torch.stack([(words >> (bits * i)) & mask for i in range(n)], -1)      # [..., W, n]: field order
+    values = torch.empty_like(fields)
+    values[..., list(order or range(n))] = fields                                    # value order
     return values.flatten(-2).to(torch.uint8).movedim(-1, dim)
 
 # %% ../nbs/08_quant.ipynb #ebea1a8c
-def pack_int32(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    "The inverse of `unpack_int32`: 4-bit values along `dim` (a multiple of 8) -> int32 words."
-    v = values.movedim(dim, -1).to(torch.int64) & 15
-    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]                           # [..., W, 8]: nibble order
-    words = sum(v[..., i] << (4 * i) for i in range(8))
+def pack_int32(values: torch.Tensor, dim: int, order: tuple | None = None, bits: int = 4) -> torch.Tensor:
+    "The inverse of `unpack_int32`: `bits`-bit values along `dim` (a multiple of 32 / `bits`) -> int32 words."
+    n = 32 // bits
+    v = values.movedim(dim, -1).to(torch.int64) & ((1 << bits) - 1)
+    v = v.reshape(*v.shape[:-1], -1, n)[..., list(order or range(n))]               # [..., W, n]: field order
+    words = sum(v[..., i] << (bits * i) for i in range(n))
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).movedim(-1, dim)
 
 # %% ../nbs/08_quant.ipynb #6ff11919
@@ -1242,10 +1254,22 @@ def awq_tensors(values, scales, zeros) -> dict:
             "scales": scales.t().half()}
 
 # %% ../nbs/08_quant.ipynb #7d74f428
-def gptq_tensors(values, scales, zeros, g_idx) -> dict:
+def gptq_tensors(values, scales, zeros, g_idx, bits: int = 4) -> dict:
     "The same as AutoGPTQ stores them (first format: zeros minus one); `values` [N, K] in the inputs' own order."
-    return {"qweight": pack_int32(values.t(), 0), "qzeros": pack_int32((zeros.t().long() - 1) & 15, 1),
+    return {"qweight": pack_int32(values.t(), 0, bits=bits),
+            "qzeros": pack_int32((zeros.t().long() - 1) & ((1 << bits) - 1), 1, bits=bits),
             "scales": scales.t().half(), "g_idx": g_idx.int()}
+
+
+def gptq8_quantize(w: torch.Tensor, G: int) -> tuple:
+    "Asymmetric 8-bit groups of `G` inputs: (values uint8 [N, K], scales fp32 [N, K/G], zeros uint8 [N, K/G])."
+    N, K = w.shape
+    g = w.float().view(N, K // G, G)                                                  # [N, K/G, G]
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 255).clamp(min=1e-8).half().float()                             # as stored: fp16
+    z = (-lo / s).round().clamp(0, 255)
+    q = (g / s[..., None] + z[..., None]).round().clamp(0, 255)
+    return q.view(N, K).to(torch.uint8), s, z.to(torch.uint8)
 
 # %% ../nbs/08_quant.ipynb #6753ac3d
 FUSED_PROJECTIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
@@ -1303,10 +1327,11 @@ def read_checkpoint_quant(model_dir) -> CheckpointQuant | None:
     return checkpoint_quant(d)
 
 # %% ../nbs/08_quant.ipynb #0a19b88b
-def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed: int = 0, vocab: int = 512):
-    """A random transformers Qwen2 checkpoint in `folder`, its projections quantized by `quantize_int4` and stored as
-    `fmt` ('awq' or 'gptq', in act order if asked) stores them, so without the tools themselves; returns
-    transformers' model on the dequantized weights, the oracle."""
+def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed: int = 0, vocab: int = 512,
+                    bits: int = 4):
+    """A random transformers Qwen2 checkpoint in `folder`, its projections quantized by `quantize_int4` (GPTQ in 8
+    `bits`: `gptq8_quantize`) and stored as `fmt` ('awq' or 'gptq', in act order if asked) stores them, so without
+    the tools themselves; returns transformers' model on the dequantized weights, the oracle."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM as HFQwen2
     folder = Path(folder)
@@ -1319,9 +1344,14 @@ def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed
     for name, w in hf.state_dict().items():
         if name == "lm_head.weight": continue                          # tied to the embedding: stored once
         if not name.endswith("_proj.weight"): out[name] = w.contiguous(); continue
-        qw, s, z = quantize_int4(w, G)
-        vals, s = unpack_int4(qw), s.half().float()
-        dense = dequantize_int4(qw, s, z, G)
+        if bits == 8:
+            vals, s, z = gptq8_quantize(w, G)
+            groups = torch.arange(w.shape[1]) // G
+            dense = (vals.float() - z.float()[:, groups]) * s[:, groups]
+        else:
+            qw, s, z = quantize_int4(w, G)
+            vals, s = unpack_int4(qw), s.half().float()
+            dense = dequantize_int4(qw, s, z, G)
         if fmt == "awq": t = awq_tensors(vals, s, z)
         else:
             K = w.shape[1]
@@ -1332,16 +1362,36 @@ def write_quantized(folder, fmt: str, act_order: bool = False, G: int = 64, seed
             g_idx = torch.empty(K, dtype=torch.long); g_idx[order] = torch.arange(K) // G
             vals_in, dense_in = torch.empty_like(vals), torch.empty_like(dense)
             vals_in[:, order], dense_in[:, order] = vals, dense
-            t, dense = gptq_tensors(vals_in, s, z, g_idx), dense_in
+            t, dense = gptq_tensors(vals_in, s, z, g_idx, bits), dense_in
         out.update({name.replace(".weight", "." + k): v.contiguous() for k, v in t.items()})
         hf.get_parameter(name).data.copy_(dense)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(out, str(folder / "model.safetensors"))
-    quant = {"bits": 4, "group_size": G, "quant_method": fmt} | (
+    quant = {"bits": bits, "group_size": G, "quant_method": fmt} | (
         {"version": "gemm", "zero_point": True} if fmt == "awq" else {"desc_act": act_order, "sym": False})
     cfg = hf.config.to_dict() | {"quantization_config": quant}
     (folder / "config.json").write_text(json.dumps(cfg))
     return hf
+
+# %% ../nbs/08_quant.ipynb #235d44dc
+def gptq_dense(qweight, qzeros, scales, g_idx, group_size: int, bits: int, zeros_minus_one: bool = True):
+    "A GPTQ layer's tensors -> its weight [N, K] in fp32: (value - zero) x scale of each input's group."
+    values = unpack_int32(qweight, 0, bits=bits).t().float()                        # [N, K]
+    zeros = unpack_int32(qzeros, 1, bits=bits).t().long()                           # [N, K/G]
+    if zeros_minus_one: zeros = (zeros + 1) % (1 << bits)
+    groups = g_idx.long() if g_idx is not None else torch.arange(values.shape[1]) // group_size    # [K]
+    return (values - zeros[:, groups].float()) * scales.float().t()[:, groups]
+
+
+def gptq8_state_dict(ckpt: dict, q: CheckpointQuant) -> dict:
+    "`ckpt` with every GPTQ projection (`*.qweight` and the rest) replaced by its dense `*.weight`."
+    for prefix in [n[:-len(".qweight")] for n in ckpt if n.endswith(".qweight")]:
+        missing = [k for k in ("qzeros", "scales") if f"{prefix}.{k}" not in ckpt]
+        if missing: raise KeyError(f"gptq checkpoint lacks {', '.join(prefix + '.' + k for k in missing)}")
+        t = {k: ckpt.pop(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales")}
+        ckpt[f"{prefix}.weight"] = gptq_dense(**t, g_idx=ckpt.pop(f"{prefix}.g_idx", None), group_size=q.group_size,
+                                              bits=q.bits, zeros_minus_one=q.zeros_minus_one)
+    return ckpt
 
 # %% ../nbs/08_quant.ipynb #d61b92d7
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple | None) -> torch.Tensor:
@@ -1373,10 +1423,11 @@ def fp8_state_dict(ckpt: dict, q: CheckpointQuant) -> dict:
     return ckpt
 
 
-def load_fp8_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
-    "Our decoder from an fp8 checkpoint, its weights dequantized into `dtype` (the config's `torch_dtype` if None)."
+def load_dequantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
+    """Our decoder from an fp8 or a GPTQ 8-bit checkpoint (`q.dequantized`), its weights dequantized into `dtype`
+    (the config's `torch_dtype` if None)."""
     cfg = ModelConfig.from_model_dir(model_dir)
-    ckpt = fp8_state_dict(load_state_dict(model_dir), q)
+    ckpt = (fp8_state_dict if q.method == "fp8" else gptq8_state_dict)(load_state_dict(model_dir), q)
     return model_from_state_dict(cfg, ckpt, dtype or _DTYPES[cfg.dtype], device, str(model_dir))
 
 # %% ../nbs/08_quant.ipynb #3a917686

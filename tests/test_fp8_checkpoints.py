@@ -1,5 +1,5 @@
-"""fp8 checkpoints through the engine (nanoserve.quant's `load_fp8_model`, the engine's `_load`): random transformers
-checkpoints of each family written as fp8 checkpoints store them (`quant.write_fp8`: e4m3 weights with 128 x 128
+"""fp8 checkpoints through the engine (nanoserve.quant's `load_dequantized_model`, the engine's `_load`): random
+transformers checkpoints of each family written as fp8 checkpoints store them (`quant.write_fp8`: e4m3 weights with 128 x 128
 block scales as Qwen3's releases, or one scale a tensor with input scales), served by `LLM` on the CPU, against
 transformers' own model on the dequantized weights; quantization on top of the dequantized weights; what is
 refused."""

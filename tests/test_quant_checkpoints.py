@@ -13,9 +13,9 @@ from nanoserve.tokenizer import shipped_model_dir
 VOCAB = 3072                    # the shipped tiny model's tokenizer
 
 
-def checkpoint(tmp_path, fmt, act_order=False, **overrides):
+def checkpoint(tmp_path, fmt, act_order=False, write_bits=4, **overrides):
     "A quantized random checkpoint with the shipped tokenizer beside it; its transformers oracle."
-    hf = write_quantized(tmp_path, fmt, act_order, vocab=VOCAB)
+    hf = write_quantized(tmp_path, fmt, act_order, vocab=VOCAB, bits=write_bits)
     for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(shipped_model_dir() / name, tmp_path / name)
     if overrides:
         cfg = json.loads((tmp_path / "config.json").read_text())
@@ -42,9 +42,22 @@ def test_engine_greedy_matches_transformers_on_the_dequantized_weights(tmp_path,
     for prompt, out in zip(prompts, outs): assert out.token_ids == hf_greedy(hf, prompt, 12)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_8bit_loads_dequantized_and_matches_transformers(tmp_path, act_order):
+    hf = checkpoint(tmp_path, "gptq", act_order, write_bits=8)
+    llm = LLM(tmp_path, device="cpu", dtype="float32", num_kv_blocks=64)
+    assert llm.checkpoint_quant.bits == 8 and llm.quant_report is None
+    assert not any(isinstance(m, QuantLinear) for m in llm.model.modules())          # dense weights
+    prompts = [[5, 17, 300, 42, 9, 1200, 77], [1000, 3, 3, 3, 2500]]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, sp)): assert out.token_ids == hf_greedy(hf, prompt, 12)
+    int8 = LLM(tmp_path, device="cpu", dtype="float32", num_kv_blocks=64, quantization="int8")   # ours on top
+    assert int8.quant_report.method == "int8" and isinstance(int8.model.layers[0].mlp.down_proj, QuantLinear)
+
+
 def test_refused_variants_and_combinations(tmp_path):
-    checkpoint(tmp_path / "g8", "gptq", bits=8)
-    with pytest.raises(ValueError, match="gptq checkpoint: bits 8"): LLM(tmp_path / "g8", device="cpu")
+    checkpoint(tmp_path / "g3", "gptq", bits=3)
+    with pytest.raises(ValueError, match="gptq checkpoint: bits 3"): LLM(tmp_path / "g3", device="cpu")
     checkpoint(tmp_path / "awqv", "awq", version="gemv")
     with pytest.raises(ValueError, match="version 'gemv'"): LLM(tmp_path / "awqv", device="cpu")
     checkpoint(tmp_path / "a", "awq")
