@@ -165,7 +165,7 @@ def online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr = "tf32"):
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
-
+# %% ../nbs/06_attention.ipynb #81017b26
 @triton.jit
 def attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
     "Fold a tile of keys `k` and values `v` [TILE_N, D] (`valid`: the context's positions) into the running state."

@@ -1180,7 +1180,7 @@ def fp8_format(d: dict) -> CheckpointQuant:
         _refuse("fp8", f"weight_block_size {block!r} (two positive integers)")
     return CheckpointQuant("fp8", 0, weight_block=None if block is None else tuple(block))
 
-
+# %% ../nbs/08_quant.ipynb #82839014
 def checkpoint_quant(d: dict | None) -> CheckpointQuant | None:
     "The format of a `quantization_config` dict (None: not a quantized checkpoint); unsupported variants refused."
     if not d: return None
@@ -1382,7 +1382,7 @@ def gptq_dense(qweight, qzeros, scales, g_idx, group_size: int, bits: int, zeros
     groups = g_idx.long() if g_idx is not None else torch.arange(values.shape[1]) // group_size    # [K]
     return (values - zeros[:, groups].float()) * scales.float().t()[:, groups]
 
-
+# %% ../nbs/08_quant.ipynb #1f8d2c93
 def gptq8_state_dict(ckpt: dict, q: CheckpointQuant) -> dict:
     "`ckpt` with every GPTQ projection (`*.qweight` and the rest) replaced by its dense `*.weight`."
     for prefix in [n[:-len(".qweight")] for n in ckpt if n.endswith(".qweight")]:
@@ -1422,7 +1422,7 @@ def fp8_state_dict(ckpt: dict, q: CheckpointQuant) -> dict:
     for name in [n for n in ckpt if n.endswith(".input_scale")]: del ckpt[name]
     return ckpt
 
-
+# %% ../nbs/08_quant.ipynb #ac50eee9
 def load_dequantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
     """Our decoder from an fp8 or a GPTQ 8-bit checkpoint (`q.dequantized`), its weights dequantized into `dtype`
     (the config's `torch_dtype` if None)."""

@@ -101,6 +101,17 @@ def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], float]:
     return out.sequences[0, len(ids):].tolist(), margin
 
 
+def with_tokenizer(folder: Path, **quant_overrides) -> None:
+    "The shipped tiny model's tokenizer copied into checkpoint `folder`; `quant_overrides` into its quantization_config."
+    import json
+    from nanoserve.tokenizer import shipped_model_dir
+    for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(shipped_model_dir() / name, folder / name)
+    if quant_overrides:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["quantization_config"].update(quant_overrides)
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+
 class PagedDriver:
     """Runs our model step by step over a paged KV cache, building the step's metadata by hand.
 

@@ -1,16 +1,14 @@
 """fp8 checkpoints through the engine (nanoserve.quant's `load_dequantized_model`, the engine's `_load`): random
-transformers checkpoints of each family written as fp8 checkpoints store them (`quant.write_fp8`: e4m3 weights with 128 x 128
-block scales as Qwen3's releases, or one scale a tensor with input scales), served by `LLM` on the CPU, against
-transformers' own model on the dequantized weights; quantization on top of the dequantized weights; what is
+transformers checkpoints of each family written as fp8 checkpoints store them (`quant.write_fp8`: e4m3 weights with
+128 x 128 block scales as Qwen3's releases, or one scale a tensor with input scales), served by `LLM` on the CPU,
+against transformers' own model on the dequantized weights; quantization on top of the dequantized weights; what is
 refused."""
-import json, shutil
-
 import pytest
 import torch
+from helpers import hf_greedy, with_tokenizer
 
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.quant import QuantLinear, write_fp8
-from nanoserve.tokenizer import shipped_model_dir
 
 VOCAB = 3072                    # the shipped tiny model's tokenizer
 PROMPTS = [[5, 17, 300, 42, 9, 1200, 77], [1000, 3, 3, 3, 2500]]
@@ -19,18 +17,8 @@ PROMPTS = [[5, 17, 300, 42, 9, 1200, 77], [1000, 3, 3, 3, 2500]]
 def checkpoint(folder, block=(128, 128), family="Qwen3", **overrides):
     "An fp8 random checkpoint with the shipped tokenizer beside it; its transformers oracle."
     hf = write_fp8(folder, block, family, vocab_size=VOCAB)
-    for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(shipped_model_dir() / name, folder / name)
-    if overrides:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["quantization_config"].update(overrides)
-        (folder / "config.json").write_text(json.dumps(cfg))
+    with_tokenizer(folder, **overrides)
     return hf
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family,block", [("Qwen3", (128, 128)), ("Llama", (64, 32)), ("Mistral", None)])
@@ -40,7 +28,7 @@ def test_engine_greedy_matches_transformers_on_the_dequantized_weights(tmp_path,
     assert llm.checkpoint_quant.method == "fp8" and llm.checkpoint_quant.weight_block == block
     assert llm.quant_report is None and llm.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, sp)): assert out.token_ids == hf_greedy(hf, prompt, 12)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, sp)): assert out.token_ids == hf_greedy(hf, prompt, 12)[0]
 
 
 def test_quantization_on_top_of_the_dequantized_weights(tmp_path):

@@ -1,14 +1,12 @@
 """AWQ and GPTQ checkpoints through the engine (nanoserve.quant's loader, the engine's `_load`): random transformers
 Qwen2 checkpoints written in each format's exact tensor layout (`quant.write_quantized`), served by `LLM` on the CPU,
 against transformers' own model on the dequantized weights; and the variants and combinations that are refused."""
-import json, shutil
-
 import pytest
 import torch
+from helpers import hf_greedy, with_tokenizer
 
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.quant import QuantLinear, write_quantized
-from nanoserve.tokenizer import shipped_model_dir
 
 VOCAB = 3072                    # the shipped tiny model's tokenizer
 
@@ -16,18 +14,8 @@ VOCAB = 3072                    # the shipped tiny model's tokenizer
 def checkpoint(tmp_path, fmt, act_order=False, write_bits=4, **overrides):
     "A quantized random checkpoint with the shipped tokenizer beside it; its transformers oracle."
     hf = write_quantized(tmp_path, fmt, act_order, vocab=VOCAB, bits=write_bits)
-    for name in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(shipped_model_dir() / name, tmp_path / name)
-    if overrides:
-        cfg = json.loads((tmp_path / "config.json").read_text())
-        cfg["quantization_config"].update(overrides)
-        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with_tokenizer(tmp_path, **overrides)
     return hf
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", False), ("gptq", True)])
@@ -39,7 +27,7 @@ def test_engine_greedy_matches_transformers_on_the_dequantized_weights(tmp_path,
     prompts = [[5, 17, 300, 42, 9, 1200, 77], [1000, 3, 3, 3, 2500]]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, sp)
-    for prompt, out in zip(prompts, outs): assert out.token_ids == hf_greedy(hf, prompt, 12)
+    for prompt, out in zip(prompts, outs): assert out.token_ids == hf_greedy(hf, prompt, 12)[0]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -50,7 +38,7 @@ def test_gptq_8bit_loads_dequantized_and_matches_transformers(tmp_path, act_orde
     assert not any(isinstance(m, QuantLinear) for m in llm.model.modules())          # dense weights
     prompts = [[5, 17, 300, 42, 9, 1200, 77], [1000, 3, 3, 3, 2500]]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, sp)): assert out.token_ids == hf_greedy(hf, prompt, 12)
+    for prompt, out in zip(prompts, llm.generate(prompts, sp)): assert out.token_ids == hf_greedy(hf, prompt, 12)[0]
     int8 = LLM(tmp_path, device="cpu", dtype="float32", num_kv_blocks=64, quantization="int8")   # ours on top
     assert int8.quant_report.method == "int8" and isinstance(int8.model.layers[0].mlp.down_proj, QuantLinear)
 
