@@ -8,9 +8,11 @@ Writes quant_quality_cpu.json (run metadata inside), which the quantization chap
   no group of 32 or more), with and without the LM head quantized: the logits' relative error, the mean KL(full ||
   quantized) a token, top-1 agreement and the perplexity against the full-precision model; and the K/V cache in fp8
   e4m3 with full-precision weights ("kv_fp8": every key and value rounded as the engine's fp8 cache stores it);
+  and the weights as fp8 checkpoints store them ("fp8 128x128": e4m3 with a scale per 128 x 128 block of each
+  projection, as Qwen3's releases; "fp8 tensor": one scale a projection), dequantized as the loader reads them;
 - 0.5B: all 24 layers of the 0.5B shape with random weights (std 0.02) in fp32, 128 random tokens, one forward per
-  format, INT8 and INT4 in groups of 32, 64 and 128, and kv_fp8: the same measures but perplexity (random targets
-  mean nothing).
+  format, INT8 and INT4 in groups of 32, 64 and 128, kv_fp8 and the fp8 weights: the same measures but perplexity
+  (random targets mean nothing).
 Checked before it is written: INT8 closer than INT4 on both, INT4's error falling with the group on the 0.5B shape.
 `--smoke`: the same code, two short rows of the tiny model and a two-layer random model of the tiny shape.
 """
@@ -23,7 +25,7 @@ from lab import is_smoke, parser, write
 import torch
 
 from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM, SHAPES, load_model
-from nanoserve.quant import logit_quality, quantize_model
+from nanoserve.quant import fp8_dequantize, fp8_quantize, logit_quality, quantize_model
 from nanoserve.tokenizer import default_model
 from nanoserve.train import heldout_rows
 
@@ -31,6 +33,18 @@ TINY_CONFIGS = [("int8", None, False), ("int4", 16, False), ("int4", 8, False), 
                 ("int4", 16, True)]
 BIG_CONFIGS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
 FP8 = torch.float8_e4m3fn      # the K/V cache's fp8 (the weights full precision): method "kv_fp8" in the results
+FP8_WEIGHTS = (("fp8 128x128", (128, 128)), ("fp8 tensor", None))     # fp8 checkpoints' weight scales
+
+
+def fp8_weights(model, block) -> tuple:
+    "(a copy of `model` with each projection's weight through e4m3 and back, its projections' bytes before, stored)."
+    m, before, stored = copy.deepcopy(model), 0, 0
+    for name, p in m.named_parameters():
+        if name.endswith("_proj.weight"):
+            values, scale = fp8_quantize(p.data, block)
+            p.data.copy_(fp8_dequantize(values, scale, block))
+            before, stored = before + p.numel() * p.element_size(), stored + values.numel() + 4 * scale.numel()
+    return m, before, stored
 
 
 def sequence_logits(model, ids: torch.Tensor, block_size: int = 16, cache_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -84,6 +98,12 @@ def tiny_quality(smoke: bool) -> dict:
     out.append({"method": "kv_fp8", "group_size": None, "lm_head": False, **qual, "ppl_ref": math.exp(qual["nll_ref"]),
                 "ppl_quant": math.exp(qual["nll_quant"])})
     print(out[-1], flush=True)
+    for method, block in FP8_WEIGHTS:
+        m, before, stored = fp8_weights(tiny, block)
+        qual = logit_quality(ref, logits(m), targets)
+        out.append({"method": method, "group_size": None, "lm_head": False, **qual, "ppl_ref": math.exp(qual["nll_ref"]),
+                    "ppl_quant": math.exp(qual["nll_quant"]), "weight_bytes_before": before, "weight_bytes_after": stored})
+        print(out[-1], flush=True)
     return {"model": "tiny-qwen2-stdlib (shipped, fp32)", "rows": int(rows.shape[0]), "seq_len": int(rows.shape[1] - 1),
             "results": out}
 
@@ -106,17 +126,26 @@ def big_quality(smoke: bool) -> dict:
     t0 = time.perf_counter(); qual = logit_quality(ref, sequence_logits(big, ids, cache_dtype=FP8)); f_s = time.perf_counter() - t0
     out.append({"method": "kv_fp8", "group_size": None, "lm_head": False, **qual, "forward_s": f_s})
     print(out[-1], flush=True)
+    for method, block in FP8_WEIGHTS:
+        m, before, stored = fp8_weights(big, block)
+        qual = logit_quality(ref, sequence_logits(m, ids))
+        out.append({"method": method, "group_size": None, "lm_head": False, **qual, "weight_bytes_before": before,
+                    "weight_bytes_after": stored})
+        print(out[-1], flush=True)
+        del m
     what = "two layers of" if smoke else "all 24 layers of"
     return {"model": f"random weights of the Qwen2.5-0.5B shape (std 0.02), fp32, {what} it",
             "tokens": int(ids.numel()), "full_forward_s": fwd_s, "results": out}
 
 
 def check(tiny: dict, big: dict) -> None:
-    "INT8 closer than INT4 on both models; on the 0.5B shape INT4's error falls with the group size."
+    """INT8 closer than INT4 on both models; on the 0.5B shape INT4's error falls with the group size, and the fp8
+    weights are closer than INT4 in groups of 32."""
     t = {(r["method"], r["group_size"], r["lm_head"]): r for r in tiny["results"]}
     assert t[("int8", None, False)]["logit_rel_err"] < t[("int4", 16, False)]["logit_rel_err"]
     b = {(r["method"], r["group_size"]): r for r in big["results"]}
     assert b[("int8", None)]["logit_rel_err"] < b[("int4", 32)]["logit_rel_err"] < b[("int4", 128)]["logit_rel_err"]
+    assert all(b[(m, None)]["logit_rel_err"] < b[("int4", 32)]["logit_rel_err"] for m, _ in FP8_WEIGHTS)
 
 
 def main():
