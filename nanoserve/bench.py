@@ -668,7 +668,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per engine (torch intra-op; default: the engine's choice on a CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve engines: GPUs per engine")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"], help="nanoserve engines: weight-only")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="nanoserve engines: weight-only int8/int4, or fp8 weights and activations")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="nanoserve engines: the K/V cache's dtype (auto: the model's; fp8: e4m3, twice the blocks)")
     p.add_argument("--scheduling", default="auto", choices=["auto", "async", "sync"],

@@ -187,7 +187,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads (torch intra-op; default: the engine's choice on a CPU)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU processes) to split the model across")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="int8/int4 weight-only, or fp8 weights and activations")
     g.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale (must divide every layer)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
     g.set_defaults(func=cmd_generate)

@@ -28,33 +28,36 @@ from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_st
 from .runtime import (INTERPRET, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
                                split_counters, split_tiles, sum_last)
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4")              # weight-only: dequantized in registers by the Triton kernels
+QUANTIZATIONS = METHODS + ("fp8",)      # and W8A8 in e4m3 on the fp8 tensor cores (its section)
 
 # %% auto #0
-__all__ = ['METHODS', 'NIBBLES', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 'X_SCALE', 'INT8_PAIRS_ASM', 'F16_PAIR_ASM',
-           'QUANT_TARGETS', 'AWQ_ORDER', 'FUSED_PROJECTIONS', 'QuantConfig', 'quantize_int8', 'dequantize_int8',
-           'pack_int4', 'unpack_int4', 'out_features', 'int4_values', 'int4_rows', 'quantize_int4', 'dequantize_int4',
-           'tile_int4', 'weight_layout', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel',
-           'quant_gemm_kernel', 'quant_tables', 'kernels_support', 'choose_split_k', 'words_path', 'gemv_config',
-           'gemv_tile', 'f16_path', 'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
-           'quant_gemm', 'one_row_f16', 'quant_matmul', 'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
-           'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32',
-           'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
-           'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense',
-           'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize',
-           'write_fp8', 'logit_quality', 'quantized_linear_bytes']
+__all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 'X_SCALE',
+           'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'QUANT_TARGETS', 'AWQ_ORDER', 'FUSED_PROJECTIONS', 'QuantConfig',
+           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_values', 'int4_rows',
+           'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'quantize_fp8', 'dequantize_fp8',
+           'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8', 'fp8_matmul_ref', 'fp8_matmul',
+           'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
+           'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
+           'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
+           'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model',
+           'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4',
+           'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer', 'fused_quant_linear',
+           'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense', 'gptq8_state_dict',
+           'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality',
+           'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
 class QuantConfig:
-    "Weight-only quantization of a model: `method` None (no quantization) or one of `METHODS`."
+    "Quantization of a model: `method` None (no quantization) or one of `QUANTIZATIONS`."
     method: str | None = None
     group_size: int = 128            # INT4: inputs that share a scale and a zero point
     quantize_lm_head: bool = False   # the LM head (and a tied input embedding) quantized too
 
     def __post_init__(self):
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown quantization {self.method!r}: one of {', '.join(METHODS)}")
+        if self.method is not None and self.method not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.method!r}: one of {', '.join(QUANTIZATIONS)}")
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
             raise ValueError(f"group_size must be an even integer >= 2, got {g!r}")
@@ -163,10 +166,85 @@ def weight_layout(q: torch.Tensor) -> tuple[int, int, int, int]:
     if q.dim() == 4: return q.shape[1], q.stride(0), q.stride(1), q.stride(2)
     return 0, 0, q.stride(0), 0
 
+# %% ../nbs/08_quant.ipynb #03a87df9
+FP8_MAX = 448.0                  # e4m3's largest finite magnitude
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-output-channel e4m3 of `w` [N, K]: (qweight float8_e4m3fn [N, K], scales fp32 [N]), each row's peak to 448."
+    if w.dim() != 2: raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    wf = w.float()
+    scales = wf.abs().amax(dim=1) / FP8_MAX                                 # [N]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (wf / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    "The weight [N, K] that `quantize_fp8` stands for."
+    return (qweight.float() * scales.float()[:, None]).to(dtype)
+
+# %% ../nbs/08_quant.ipynb #6498fce2
+def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-row (a scale a token) e4m3 of activations `x` [T, K]: (values [T, K], scales fp32 [T, 1]); a zero row: scale 1."
+    xf = x.float()
+    scales = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX                  # [T, 1]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+# %% ../nbs/08_quant.ipynb #96c3fdae
+@triton.jit
+def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK: tl.constexpr):
+    "One program a row: the row's peak in one pass over it, then every value over the scale, rounded to e4m3."
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_out
+    peak = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        peak = tl.maximum(peak, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+    scale = tl.div_rn(tl.max(peak, 0), 448.0)          # IEEE division, as torch's: the same scale to the bit
+    scale = tl.where(scale > 0, scale, 1.0)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+        tl.store(out_row + k0 + cols, q.to(out_ptr.dtype.element_ty), mask=k0 + cols < K)
+
+# %% ../nbs/08_quant.ipynb #e82a264b
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "`quantize_rows_fp8_ref` as one Triton kernel: (e4m3 values [T, K], fp32 scales [T, 1])."
+    if x.dim() != 2 or x.stride(-1) != 1: raise ValueError(f"expected a 2-D input contiguous along K, got {tuple(x.shape)}")
+    T, K = x.shape
+    out = torch.empty(T, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    if T:
+        quantize_rows_fp8_kernel[(T,)](x, out, scales, K, x.stride(0), out.stride(0),
+                                       BLOCK=min(triton.next_power_of_2(K), 2048), num_warps=4)
+    return out, scales
+
+# %% ../nbs/08_quant.ipynb #59e9ad1d
+def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ W.T (+ bias) -> [T, N] as W8A8 defines it: x rounded per row to e4m3 (`quantize_rows_fp8_ref`), both
+    operands dequantized, the product in fp32, then x's dtype."""
+    xq, x_scales = quantize_rows_fp8_ref(x)
+    out = (xq.float() * x_scales) @ dequantize_fp8(qweight, scales).t()                # [T, N]
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+# %% ../nbs/08_quant.ipynb #3c7726ae
+def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_matmul_ref` on fp8 tensor cores: x quantized by `quantize_rows_fp8` (on a GPU; by the reference's torch
+    ops elsewhere), the product by `torch._scaled_mm` with a scale a row of x and one an output channel, applied to
+    the fp32 sums. On a GPU the product is written in bf16 (what its row-wise scaling writes), then x's dtype."""
+    xq, x_scales = quantize_rows_fp8(x) if x.is_cuda else quantize_rows_fp8_ref(x)
+    out = torch._scaled_mm(xq, qweight.t(), scale_a=x_scales, scale_b=scales.view(1, -1),            # [T, N]
+                           out_dtype=torch.bfloat16 if x.is_cuda else x.dtype)
+    if bias is not None: out = out + bias.to(out.dtype)
+    return out.to(x.dtype)
+
 # %% ../nbs/08_quant.ipynb #c8fbb42f
 def dequantize(qweight, scales, zeros, method: str, group_size: int | None, dtype=torch.float32) -> torch.Tensor:
-    "Dequantize either format."
+    "Dequantize any format."
     if method == "int8": return dequantize_int8(qweight, scales, dtype)
+    if method == "fp8": return dequantize_fp8(qweight, scales, dtype)
     return dequantize_int4(qweight, scales, zeros, group_size, dtype)
 
 
@@ -977,12 +1055,14 @@ def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int |
 
 # %% ../nbs/08_quant.ipynb #90439c28
 class QuantLinear(nn.Module):
-    "A linear layer with INT8 (per channel) or INT4 (group-wise) weights; computes in the input's dtype."
+    """A linear layer with INT8 (per channel) or INT4 (group-wise) weights, computing in the input's dtype, or fp8
+    weights (per channel) whose products take fp8 activations (`fp8_matmul`)."""
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  bias: torch.Tensor | None, in_features: int, out_features: int, method: str,
                  group_size: int | None = None, tuned: Mapping | None = None, input_perm: torch.Tensor | None = None):
         super().__init__()
-        if method not in METHODS: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(METHODS)}")
+        if method not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
         self.in_features, self.out_features, self.method = in_features, out_features, method
         self.group_size = group_size if method == "int4" else None
         self.register_buffer("qweight", qweight)
@@ -1000,10 +1080,11 @@ class QuantLinear(nn.Module):
         "Quantize `linear`'s current weight on its own device; the bias is kept in its dtype."
         w = linear.weight.detach()
         if method == "int8": packed = quantize_int8(w) + (None,)
+        elif method == "fp8": packed = quantize_fp8(w) + (None,)
         elif method == "int4":
             _check_group(linear.in_features, group_size, name)
             packed = quantize_int4(w, group_size)
-        else: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(METHODS)}")
+        else: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
         bias = None if linear.bias is None else linear.bias.detach().clone()
         tile = gemv_tile(linear.out_features, linear.in_features, group_size, tuned) if method == "int4" else 0
         if tile: packed = tile_int4(*packed, group_size, tile)              # the one-row GEMV's layout
@@ -1011,15 +1092,21 @@ class QuantLinear(nn.Module):
 
     def use_kernels(self, x: torch.Tensor) -> bool:
         on = x.is_cuda if self.kernels is None else self.kernels
+        if self.method == "fp8": return bool(on)                   # `torch._scaled_mm` runs on a CPU too
         return bool(on) and kernels_support(self.method, self.group_size) and (x.is_cuda or INTERPRET)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                                 # [T, K]
         if self.input_perm is not None: x2 = x2.index_select(1, self.input_perm)
+        return self.matmul(x2).reshape(*lead, self.out_features)             # [..., N]
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        "x2 [T, K] -> [T, N] by the kernels (`use_kernels`) or the reference."
+        kernels = self.use_kernels(x2)
+        if self.method == "fp8": return (fp8_matmul if kernels else fp8_matmul_ref)(x2, self.qweight, self.scales, self.bias)
         args = (self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size)
-        out = quant_matmul(x2, *args, pdl=self.pdl, tuned=self.tuned) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
-        return out.reshape(*lead, self.out_features)                         # [..., N]
+        return quant_matmul(x2, *args, pdl=self.pdl, tuned=self.tuned) if kernels else quant_matmul_ref(x2, *args)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         "The full-precision weight [N, K] this layer stands for (materialised: for checks, not for serving)."
@@ -1071,7 +1158,7 @@ class QuantEmbedding(nn.Module):
         t = self.table
         flat = ids.reshape(-1)                                               # [T]
         zeros = None if t.zeros is None else t.zeros[flat]
-        q = t.qweight[flat] if t.method == "int8" else int4_rows(t.qweight, flat)
+        q = int4_rows(t.qweight, flat) if t.method == "int4" else t.qweight[flat]
         rows = dequantize(q, t.scales[flat], zeros, t.method, t.group_size, self.dtype)  # [T, K]
         return rows.reshape(*ids.shape, self.embedding_dim)                  # [..., K]
 
@@ -1103,10 +1190,33 @@ class QuantReport:
     @property
     def saved_bytes(self) -> int: return self.weight_bytes_before - self.weight_bytes_after
 
+# %% ../nbs/08_quant.ipynb #0a219e0e
+def _check_fp8(name: str, N: int, K: int, device: torch.device) -> None:
+    "Raise unless `torch._scaled_mm` can run an N x K fp8 layer on `device`."
+    if N % 16 or K % 16: raise ValueError(f"{name}: fp8 needs in and out features divisible by 16, got {N} x {K}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"fp8 needs fp8 tensor cores (compute capability 8.9 or newer), "
+                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
+
+
+def _check_sizes(model: nn.Module, targets: list, method: str, group_size: int, quantize_lm_head: bool) -> None:
+    "Raise unless every target layer (and the LM head, if asked) takes `method`; warn where INT4 falls back to torch."
+    cfg, lins = model.config, [(name, lin) for name, _, _, lin in targets]
+    if method == "fp8":
+        for name, lin in lins: _check_fp8(name, lin.out_features, lin.in_features, lin.weight.device)
+        if quantize_lm_head: _check_fp8("lm_head", cfg.vocab_size, cfg.hidden_size, lins[0][1].weight.device)
+    if method != "int4": return
+    for name, lin in lins: _check_group(lin.in_features, group_size, name)
+    if quantize_lm_head: _check_group(cfg.hidden_size, group_size, "lm_head")
+    if any(lin.weight.is_cuda for _, lin in lins) and not kernels_support(method, group_size):
+        warnings.warn(f"int4 group_size {group_size} is not a multiple of 32: the Triton kernels cannot run it, "
+                      "these layers will dequantize the whole weight on every call")
+
 # %% ../nbs/08_quant.ipynb #fe698bd5
 def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantize_lm_head: bool = False) -> QuantReport:
     "Replace every decoder layer's linear layers (and optionally the LM head) of `model` in place by `QuantLinear`."
-    if method not in METHODS: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(METHODS)}")
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
     if method == "int4" and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2
                              or group_size % 2):
         raise ValueError(f"group_size must be an even integer >= 2, got {group_size!r}")
@@ -1124,13 +1234,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantiz
     if quantize_lm_head:
         head = model.embed_tokens if tied else model.lm_head
         if not isinstance(head, (nn.Embedding, nn.Linear)): raise ValueError("the LM head is already quantized")
-    if method == "int4":                                                     # check every size before changing anything
-        for name, _, _, lin in targets: _check_group(lin.in_features, group_size, name)
-        if quantize_lm_head: _check_group(model.config.hidden_size, group_size, "lm_head")
-        on_gpu = any(lin.weight.is_cuda for *_, lin in targets)
-        if on_gpu and not kernels_support(method, group_size):
-            warnings.warn(f"int4 group_size {group_size} is not a multiple of 32: the Triton kernels cannot run it, "
-                          "these layers will dequantize the whole weight on every call")
+    _check_sizes(model, targets, method, group_size, quantize_lm_head)     # every size, before changing anything
     before, num_replaced = weight_bytes(model), len(targets)
     while targets:
         name, parent, attr, lin = targets.pop(0)
@@ -1483,7 +1587,7 @@ def logit_quality(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor 
 
 # %% ../nbs/08_quant.ipynb #920923fd
 def quantized_linear_bytes(N: int, K: int, method: str | None, group_size: int = 128) -> int:
-    "Bytes of one N x K weight: bf16 (method None), INT8 with fp32 scales, INT4 with fp32 scales and byte zeros."
+    "Bytes of one N x K weight: bf16 (method None), INT8 or fp8 with fp32 scales, INT4 with fp32 scales and byte zeros."
     if method is None: return 2 * N * K
-    if method == "int8": return N * K + 4 * N
+    if method in ("int8", "fp8"): return N * K + 4 * N
     return N * K // 2 + 5 * N * (K // group_size)

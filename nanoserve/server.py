@@ -1540,7 +1540,8 @@ def _engine_args(e) -> None:
     e.add_argument("--scheduling", default="auto", choices=["auto", "async", "sync"],
                    help="prepare step N+1 while step N runs (auto: async on a GPU)")
     e.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to split the model across")
-    e.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization")
+    e.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="int8/int4 weight-only, or fp8 weights and activations")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the K/V cache's dtype (auto: the model's; fp8: e4m3, twice the blocks in the same memory)")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")

@@ -1,0 +1,173 @@
+"""fp8 W8A8 on the H200 (the quantization chapter): checked, then the GEMMs, a prefill chunk and decode steps of the
+7B shape timed, bf16 against fp8, in one process.
+
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/w8a8_h200.py --out $OUT [--parts check,gemm,prefill,decode] \
+        [--shape 7B] [--chunk 4096] [--batches 1,64,256] [--rounds 3]
+
+In the tutorials' order:
+- check: the Triton row quantizer's bytes and scales against torch's (`quantize_rows_fp8_ref`) on random bf16
+  activations, and `fp8_matmul` against `fp8_matmul_ref` and against the exact bf16 product, per layer of the shape;
+- gemm: µs a call of each layer at T rows inside CUDA graphs over weight copies that miss L2 (`graph_bench`): bf16
+  `F.linear`, the fp8 product with its row quantizer, `torch._scaled_mm` alone, the row quantizer alone; TFLOP/s;
+- prefill: two engines of the shape (bf16 and fp8 weights, random values, the package's defaults otherwise), each
+  timing one chunk of `--chunk` fresh random tokens (`max_tokens=1`: the prefill and its first token), timed twice
+  per round, the engines alternating and the order flipping each round; TFLOP/s from the model's FLOPs;
+- decode: the same engines, ms per step in steady decode at each batch (passes of back-to-back steps, timed twice);
+then write (after every part). `--smoke`: the tiny model on the CPU, tiny shapes, a few steps.
+"""
+import gc, itertools, random, sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import (LLM, SamplingParams, device_or_skip, graph_bench, is_smoke, layer_shapes, max_rel_err,  # noqa: E402
+                 median, operand_copies, parser, random_checkpoint, random_linear, rel_err, run_parts, saver,
+                 step_ms_twice, tiny_model, time_wall, twice, warm)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanoserve.model import ModelConfig  # noqa: E402
+from nanoserve.quant import (fp8_matmul, fp8_matmul_ref, quantize_fp8, quantize_rows_fp8,  # noqa: E402
+                             quantize_rows_fp8_ref)
+
+NAME = "w8a8_h200.json"
+
+
+def check(res, args, device, dtype):
+    "The row quantizer and the product against their references, per layer."
+    rows = []
+    for name, N, K, bias in layer_shapes(args.shape, is_smoke(args)):
+        w, b = random_linear(N, K, bias, device, dtype)
+        q, s = quantize_fp8(w)
+        for T in ((1, 8) if is_smoke(args) else (1, 64, args.chunk)):
+            x = torch.randn(T, K, device=device, dtype=dtype)
+            (xq, xs), (rq, rs) = quantize_rows_fp8(x), quantize_rows_fp8_ref(x)
+            out = fp8_matmul(x, q, s, b)
+            rows.append({"layer": name, "N": N, "K": K, "T": T, "scales_equal": bool(torch.equal(xs, rs)),
+                         "bytes_equal": (xq.view(torch.uint8) == rq.view(torch.uint8)).float().mean().item(),
+                         "rel_err_vs_ref": max_rel_err(out, fp8_matmul_ref(x, q, s, b)),
+                         "rel_err_vs_bf16": rel_err(out.float(), F.linear(x, w, b).float())})
+            print(rows[-1], flush=True)
+    res["check"] = {"rows": rows}
+    if not is_smoke(args):            # the interpreter rounds some values to e4m3 its own way (the chapter says how)
+        assert all(r["scales_equal"] and r["bytes_equal"] == 1.0 and r["rel_err_vs_ref"] < 0.02 for r in rows), rows
+
+
+def gemm(res, args, device, dtype):
+    "µs a call and TFLOP/s of each layer at T rows: bf16, fp8 (quantizer + product), the product alone, the quantizer."
+    rows = []
+    for name, N, K, bias in layer_shapes(args.shape, is_smoke(args)):
+        w, b = random_linear(N, K, bias, device, dtype)
+        q, s = quantize_fp8(w)
+        cb, cf = operand_copies((w, b), 2 * N * K), operand_copies((q, s, b), N * K)
+        for T in ((1, 8) if is_smoke(args) else (1, 16, 64, 256, 1024, 4096)):
+            x = torch.randn(T, K, device=device, dtype=dtype)
+            xq, xs = quantize_rows_fp8(x)
+            us = {"bf16": graph_bench(lambda i: lambda: F.linear(x, *cb[i]), 2 * N * K, device=device),
+                  "fp8": graph_bench(lambda i: lambda: fp8_matmul(x, *cf[i]), N * K, device=device),
+                  "scaled_mm": graph_bench(lambda i: lambda: torch._scaled_mm(
+                      xq, cf[i][0].t(), scale_a=xs, scale_b=cf[i][1].view(1, -1),
+                      out_dtype=torch.bfloat16 if device.type == "cuda" else dtype), N * K, device=device),
+                  "quantize_rows": graph_bench(lambda i: lambda: quantize_rows_fp8(x), 3 * T * K, device=device)}
+            flops = 2 * T * N * K
+            row = {"layer": name, "N": N, "K": K, "T": T, "us": us,
+                   "TFLOPs": {k: flops / min(v) / 1e6 for k, v in us.items() if k != "quantize_rows"},
+                   "fp8_speedup": min(us["bf16"]) / min(us["fp8"])}
+            rows.append(row)
+            print(name, T, {k: round(min(v), 2) for k, v in us.items()}, f"fp8 {row['fp8_speedup']:.2f}x", flush=True)
+    res["gemm"] = {"rows": rows}
+
+
+def model_flops(cfg: ModelConfig, T: int) -> float:
+    "FLOPs of one prefill chunk of T tokens from an empty cache: the projections and causal attention (the LM head's one row aside)."
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    linear = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h
+    return cfg.num_hidden_layers * (2 * T * linear + 2 * T * T * q)      # QK^T and PV over the causal half: 2 T^2 q
+
+
+def engines(args, device, dtype, cache={}):
+    "The two engines (bf16 and fp8 weights) of the shape, made once."
+    if not cache:
+        model_dir = tiny_model() if is_smoke(args) else random_checkpoint(args.shape, device=device.type)
+        batches = [int(b) for b in args.batches.split(",")]
+        for quant in (None, "fp8"):
+            cache[quant or "bf16"] = LLM(model_dir, dtype=dtype_name(dtype), device=device.type, quantization=quant,
+                                         max_num_seqs=max(batches), max_num_batched_tokens=max(args.chunk, 4096),
+                                         num_kv_blocks=512 if is_smoke(args) else args.kv_blocks)
+            print(cache[quant or "bf16"], flush=True)
+    return cache
+
+
+def dtype_name(dtype) -> str: return str(dtype).removeprefix("torch.")
+
+
+def prefill_ms(llm, tokens: int, seed: int) -> float:
+    "ms for one fresh prompt of `tokens` random tokens through the engine with `max_tokens=1` (its prefill)."
+    g = random.Random(seed)
+    prompt = [g.randrange(llm.config.vocab_size) for _ in range(tokens)]
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    return median(time_wall(lambda: llm.generate([prompt], sp), reps=1, warmup=0, device=llm.device)) * 1e3
+
+
+def prefill(res, args, device, dtype):
+    "The chunk's ms and TFLOP/s on both engines, interleaved; fresh prompts every time (no prefix-cache hit)."
+    es, chunk = engines(args, device, dtype), 64 if is_smoke(args) else args.chunk
+    flops = model_flops(es["bf16"].config, chunk)
+    ms, seeds = {k: [] for k in es}, itertools.count(1000)                         # a fresh prompt every call
+    for k in es: prefill_ms(es[k], chunk, next(seeds))                              # compile, pick algorithms
+    for r in range(1 if is_smoke(args) else args.rounds):
+        for k in (list(es) if r % 2 == 0 else list(es)[::-1]):
+            warm(device, 1.0)
+            first, second, disagree = twice(lambda: prefill_ms(es[k], chunk, next(seeds)))
+            ms[k].append({"ms": [first, second], "disagree": disagree})
+            print("prefill", r, k, round(first, 3), round(second, 3), flush=True)
+    med = {k: median([x for row in v for x in row["ms"]]) for k, v in ms.items()}
+    res["prefill"] = {"tokens": chunk, "flops": flops, "ms": ms, "median_ms": med,
+                      "TFLOPs": {k: flops / v / 1e9 for k, v in med.items()}, "fp8_speedup": med["bf16"] / med["fp8"]}
+    print(res["prefill"]["TFLOPs"], f"fp8 {res['prefill']['fp8_speedup']:.2f}x", flush=True)
+
+
+def decode(res, args, device, dtype):
+    "ms per step at each batch on both engines, interleaved, the order flipping each round."
+    es = engines(args, device, dtype)
+    batches = (1, 4) if is_smoke(args) else tuple(int(b) for b in args.batches.split(","))
+    steps, rounds = (3, 1) if is_smoke(args) else (args.steps, args.rounds)
+    ms = {b: {k: [] for k in es} for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            for k in (list(es) if r % 2 == 0 else list(es)[::-1]):
+                first, second, disagree = step_ms_twice(es[k], b, steps, prompt_len=args.prompt_len)
+                ms[b][k].append({"ms": [first, second], "disagree": disagree})
+                print("decode", r, b, k, round(first, 4), round(second, 4), flush=True)
+    summary = {}
+    for b in batches:
+        med = {k: median([x for row in v for x in row["ms"]]) for k, v in ms[b].items()}
+        summary[b] = {"median_ms": med, "fp8_speedup": med["bf16"] / med["fp8"]}
+    res["decode"] = {"steps": steps, "rounds": rounds, "prompt_len": args.prompt_len, "ms_per_step": ms,
+                     "summary": summary}
+    print(summary, flush=True)
+
+
+def main():
+    ap = parser(__doc__, out="figures/data", parts="check,gemm,prefill,decode")
+    ap.add_argument("--shape", default="7B")
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--kv-blocks", type=int, default=16384)
+    ap.add_argument("--name", default=NAME)
+    args = ap.parse_args()
+    device = device_or_skip(args)
+    dtype = torch.float32 if is_smoke(args) else torch.bfloat16
+    res = {"shape": "tiny" if is_smoke(args) else args.shape}
+    parts = {p: (lambda p=p: globals()[p](res, args, device, dtype)) for p in ("check", "gemm", "prefill", "decode")}
+    run_parts(parts, args.parts, saver(args.name, res, args))
+    gc.collect()
+    if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""fp8 W8A8 (the quantization chapter): e4m3 weights with a scale a channel, activations rounded to e4m3 with a scale
+a row as the step runs, products by `torch._scaled_mm`. On the CPU: the quantizers against their definitions, the
+Triton row quantizer through the interpreter (on inputs whose e4m3 values are exact, where the interpreter's own
+rounding cannot differ), the product against the reference, the layers, the model and the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import build_tokenizer_source, make_checkpoint, random_prompt
+from nanoserve.engine import LLM, SamplingParams
+from nanoserve.model import AttentionMetadata, PrefillChunk, load_model
+from nanoserve.quant import (FP8_MAX, QuantConfig, QuantEmbedding, QuantLinear, dequantize_fp8, fp8_matmul,
+                             fp8_matmul_ref, quantize_fp8, quantize_model, quantize_rows_fp8, quantize_rows_fp8_ref,
+                             quantized_linear_bytes, weight_bytes)
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_weights_round_within_a_sixteenth_of_themselves():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 64, generator=g) * torch.tensor([1e-3, 1.0, 50.0, 0.0, 3.0])[:, None]
+    q, s = quantize_fp8(w)
+    assert q.dtype == FP8 and s.shape == (5,)
+    back = dequantize_fp8(q, s)
+    live = [0, 1, 2, 4]
+    assert ((back - w).abs()[live] <= w.abs()[live] / 16 + 1e-30).all()
+    assert torch.equal(back[3], torch.zeros(64)) and s[3] == 1.0
+    assert torch.equal(q.float().abs().amax(1)[live], torch.full((4,), FP8_MAX))
+    with pytest.raises(ValueError, match="2-D weight"): quantize_fp8(torch.ones(4))
+
+
+def on_grid_rows(T, K, seed=0, dtype=torch.float32):
+    "Rows whose values over their scale are e4m3 numbers with the peak at 448: every rounding gives the same bytes."
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(T, K, generator=g).to(FP8).float()
+    v[:, K // 3] = FP8_MAX * torch.where(torch.arange(T) % 2 == 0, 1.0, -1.0)
+    return (v * torch.tensor([2.0 ** (i % 9 - 6) for i in range(T)])[:, None]).to(dtype)
+
+
+@pytest.mark.parametrize("K", [16, 300, 2048, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_row_kernel_writes_the_references_bytes(K, dtype):
+    x = on_grid_rows(6, K, seed=K, dtype=dtype)
+    x[2] = 0
+    (q, s), (q_ref, s_ref) = quantize_rows_fp8(x), quantize_rows_fp8_ref(x)
+    assert torch.equal(s, s_ref) and s.shape == (6, 1) and s[2] == 1.0
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_the_row_kernel_follows_the_row_stride_and_takes_no_rows():
+    wide = torch.randn(4, 100) * 5
+    x = wide[:, :64]                                            # rows 100 apart
+    assert torch.equal(quantize_rows_fp8(x)[1], quantize_rows_fp8_ref(x)[1])
+    grid = on_grid_rows(4, 64)
+    wide[:, :64] = grid
+    assert torch.equal(quantize_rows_fp8(wide[:, :64])[0].view(torch.uint8), quantize_rows_fp8_ref(grid)[0].view(torch.uint8))
+    q, s = quantize_rows_fp8(x[:0])
+    assert q.shape == (0, 64) and s.shape == (0, 1)
+    with pytest.raises(ValueError, match="contiguous along K"): quantize_rows_fp8(x.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_is_the_references(dtype):
+    g = torch.Generator().manual_seed(1)
+    q, s = quantize_fp8(torch.randn(48, 160, generator=g) * 0.1)
+    x, bias = torch.randn(9, 160, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    for b in (None, bias):
+        got, want = fp8_matmul(x, q, s, b), fp8_matmul_ref(x, q, s, b)
+        assert got.dtype == dtype and got.shape == (9, 48)
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel < (1e-6 if dtype == torch.float32 else 5e-3), rel       # bf16: rounded once more, before the bias
+    exact = x.float() @ (q.float() * s[:, None]).t()
+    xq, xs = quantize_rows_fp8_ref(x)
+    assert torch.allclose(fp8_matmul_ref(x.float(), q, s, None), (xq.float() * xs) @ (q.float() * s[:, None]).t())
+    assert not torch.allclose(fp8_matmul_ref(x.float(), q, s, None), exact, rtol=1e-4)   # the activations do round
+    assert fp8_matmul(x[:0], q, s, None).shape == (0, 48)
+
+
+def small_model(tie=True, **kw):
+    from nanoserve.model import ModelConfig, Qwen2ForCausalLM
+    cfg = ModelConfig(**(dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                              tie_word_embeddings=tie) | kw))
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"): p.uniform_(0.5, 1.5)
+            else: p.normal_(0.0, 0.1)
+    m.rotary.build("cpu", torch.float32)
+    return m.eval().requires_grad_(False)
+
+
+def logits(m, ids):
+    cfg, T = m.config, ids.numel()
+    nb = -(-T // 8)
+    caches = [tuple(torch.zeros(nb, 8, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
+              for _ in range(cfg.num_hidden_layers)]
+    with torch.no_grad():
+        h = m(ids, torch.arange(T), caches, AttentionMetadata(torch.arange(T), prefills=[PrefillChunk(0, T, 0, torch.arange(nb))]))
+        return m.compute_logits(h)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_quantize_model_fp8_with_and_without_the_head(tie):
+    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(2))
+    full = logits(small_model(tie), ids)
+    def error(method, group_size=128, head=False):
+        m = small_model(tie)
+        quantize_model(m, method, group_size, quantize_lm_head=head)
+        return ((logits(m, ids) - full).norm() / full.norm()).item()
+    for head in (False, True):                                  # e4m3's 3 mantissa bits: between INT8 and INT4
+        assert error("int8", head=head) < error("fp8", head=head) < error("int4", 32, head=head)
+    for head in (False, True):
+        m = small_model(tie)
+        rep = quantize_model(m, "fp8", quantize_lm_head=head)
+        assert rep.method == "fp8" and rep.group_size is None and rep.num_replaced == 8 + head
+        assert rep.weight_bytes_after == weight_bytes(m) < rep.weight_bytes_before
+        layer = m.layers[0].self_attn.qkv_proj
+        assert isinstance(layer, QuantLinear) and layer.qweight.dtype == FP8
+        assert weight_bytes(layer) == quantized_linear_bytes(layer.out_features, layer.in_features, "fp8") + 4 * layer.out_features
+        if head and tie: assert isinstance(m.embed_tokens, QuantEmbedding) and m.embed_tokens.table is m.quant_lm_head
+        got = logits(m, ids)
+        layer.kernels = True                                    # `torch._scaled_mm` on the CPU: the same logits
+        torch.testing.assert_close(logits(m, ids), got, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_is_refused_where_scaled_mm_cannot_run_and_nothing_changes():
+    m = small_model(intermediate_size=100)
+    with pytest.raises(ValueError, match=r"layers.0.mlp.gate_up_proj: fp8 needs in and out features divisible by 16, got 200 x 64"):
+        quantize_model(m, "fp8")
+    assert all(type(l.self_attn.qkv_proj) is nn.Linear for l in m.layers)
+    with pytest.raises(ValueError, match="lm_head: fp8 needs"):
+        quantize_model(small_model(vocab_size=300), "fp8", quantize_lm_head=True)
+    assert QuantConfig("fp8").method == "fp8"
+    with pytest.raises(ValueError, match="one of int8, int4, fp8"): QuantConfig("fp4")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("random-qwen2-16")
+    make_checkpoint(folder, seed=3, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                    tokenizer_from=build_tokenizer_source(tmp_path_factory.mktemp("tokenizer")))
+    return folder
+
+
+@torch.no_grad()
+def recomputed_greedy(model, ids: list[int], n: int) -> list[int]:
+    "Greedy tokens, each from one prefill of the whole sequence so far (nothing reused): the oracle."
+    out = list(ids)
+    for _ in range(n): out.append(int(logits(model, torch.tensor(out))[-1].argmax()))
+    return out[len(ids):]
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("setup", [{}, dict(max_num_batched_tokens=8, max_num_seqs=4), dict(block_size=4, num_kv_blocks=20)])
+def test_an_fp8_engine_gives_the_recomputed_tokens(ckpt, setup):
+    "A token's activations are quantized by their own row, so chunks, batches and preemption change nothing."
+    model = load_model(ckpt, dtype=torch.float32)
+    quantize_model(model, "fp8")
+    prompts = [random_prompt(n, model.config.vocab_size, seed=n) for n in (5, 23, 37)]
+    llm = LLM(ckpt, dtype="float32", device="cpu", quantization="fp8", **setup)
+    assert llm.quant_report.method == "fp8" and "fp8 weights" in repr(llm)
+    outs = llm.generate(prompts, GREEDY)
+    if "num_kv_blocks" in setup: assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [recomputed_greedy(model, p, 10) for p in prompts]
+
+
+def test_the_command_lines_take_fp8():
+    from nanoserve import bench, cli, server
+    assert bench.build_parser().parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    assert server.build_parser().parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    assert cli.build_parser().parse_args(["generate", "--quantization", "fp8", "hi"]).quantization == "fp8"
+    with pytest.raises(SystemExit): bench.build_parser().parse_args(["--quantization", "fp4"])
