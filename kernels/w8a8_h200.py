@@ -1,7 +1,7 @@
 """fp8 W8A8 on the H200 (the quantization chapter): checked, then the GEMMs, a prefill chunk and decode steps of the
 7B shape timed, bf16 against fp8, in one process.
 
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/w8a8_h200.py --out $OUT [--parts check,gemm,prefill,decode] \
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/w8a8_h200.py --out $OUT [--parts check,gemm,prefill,decode,profile] \
         [--shape 7B] [--chunk 4096] [--batches 1,64,256] [--rounds 3]
 
 In the tutorials' order:
@@ -13,24 +13,28 @@ In the tutorials' order:
   timing one chunk of `--chunk` fresh random tokens (`max_tokens=1`: the prefill and its first token), timed twice
   per round, the engines alternating and the order flipping each round; TFLOP/s from the model's FLOPs;
 - decode: the same engines, ms per step in steady decode at each batch (passes of back-to-back steps, timed twice);
+- profile: each engine's device kernels by name over one prefill chunk and over 16 decode steps at the largest batch;
 then write (after every part). `--smoke`: the tiny model on the CPU, tiny shapes, a few steps.
 """
 import gc, itertools, random, sys
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, SamplingParams, device_or_skip, graph_bench, is_smoke, layer_shapes, max_rel_err,  # noqa: E402
                  median, operand_copies, parser, random_checkpoint, random_linear, rel_err, run_parts, saver,
-                 step_ms_twice, tiny_model, time_wall, twice, warm)
+                 steady_decode, step_ms_twice, tiny_model, time_wall, twice, warm)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoserve.measure import event_record, is_device_kernel, profile_run  # noqa: E402
 from nanoserve.model import ModelConfig  # noqa: E402
 from nanoserve.quant import (fp8_matmul, fp8_matmul_ref, quantize_fp8, quantize_rows_fp8,  # noqa: E402
                              quantize_rows_fp8_ref)
 
 NAME = "w8a8_h200.json"
+SEEDS = itertools.count(1000)                  # a fresh prompt every call: no prefix-cache hit
 
 
 def check(res, args, device, dtype):
@@ -47,6 +51,13 @@ def check(res, args, device, dtype):
                          "bytes_equal": (xq.view(torch.uint8) == rq.view(torch.uint8)).float().mean().item(),
                          "rel_err_vs_ref": max_rel_err(out, fp8_matmul_ref(x, q, s, b)),
                          "rel_err_vs_bf16": rel_err(out.float(), F.linear(x, w, b).float())})
+            if b is not None:                 # can the product add the bias itself (one kernel fewer)?
+                try:
+                    fused = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), bias=b,
+                                             out_dtype=torch.bfloat16 if device.type == "cuda" else dtype)
+                    rows[-1]["scaled_mm_bias_rel_err"] = max_rel_err(fused, out)
+                except Exception as e:
+                    rows[-1]["scaled_mm_bias_error"] = repr(e)[:300]
             print(rows[-1], flush=True)
     res["check"] = {"rows": rows}
     if not is_smoke(args):            # the interpreter rounds some values to e4m3 its own way (the chapter says how)
@@ -114,12 +125,12 @@ def prefill(res, args, device, dtype):
     "The chunk's ms and TFLOP/s on both engines, interleaved; fresh prompts every time (no prefix-cache hit)."
     es, chunk = engines(args, device, dtype), 64 if is_smoke(args) else args.chunk
     flops = model_flops(es["bf16"].config, chunk)
-    ms, seeds = {k: [] for k in es}, itertools.count(1000)                         # a fresh prompt every call
-    for k in es: prefill_ms(es[k], chunk, next(seeds))                              # compile, pick algorithms
+    ms = {k: [] for k in es}
+    for k in es: prefill_ms(es[k], chunk, next(SEEDS))                              # compile, pick algorithms
     for r in range(1 if is_smoke(args) else args.rounds):
         for k in (list(es) if r % 2 == 0 else list(es)[::-1]):
             warm(device, 1.0)
-            first, second, disagree = twice(lambda: prefill_ms(es[k], chunk, next(seeds)))
+            first, second, disagree = twice(lambda: prefill_ms(es[k], chunk, next(SEEDS)))
             ms[k].append({"ms": [first, second], "disagree": disagree})
             print("prefill", r, k, round(first, 3), round(second, 3), flush=True)
     med = {k: median([x for row in v for x in row["ms"]]) for k, v in ms.items()}
@@ -149,8 +160,40 @@ def decode(res, args, device, dtype):
     print(summary, flush=True)
 
 
+def kernel_table(run, calls: int = 1, top: int = 30) -> dict:
+    "Device kernel time by name (µs a call, and launches), the `top` largest, and the total."
+    by_name, count = defaultdict(float), defaultdict(int)
+    for e in run.events:
+        if not is_device_kernel(e): continue
+        r = event_record(e)
+        by_name[r["name"][:100]] += (r["end_us"] - r["start_us"]) / calls
+        count[r["name"][:100]] += 1
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"total_us": sum(by_name.values()), "kernels": sum(count.values()) / calls,
+            "by_name": {k: {"us": v, "count": count[k] / calls} for k, v in rows}}
+
+
+def profile(res, args, device, dtype):
+    "Where each engine's time goes: one prefill chunk, then 16 decode steps at the largest batch, by kernel."
+    es, chunk = engines(args, device, dtype), 64 if is_smoke(args) else args.chunk
+    batch, out = max(int(b) for b in args.batches.split(",")), {}
+    for k, llm in es.items():
+        prefill_ms(llm, chunk, next(SEEDS))
+        with profile_run(llm.device) as run: prefill_ms(llm, chunk, next(SEEDS))
+        out[k] = {"prefill": kernel_table(run)}
+        steady_decode(llm, 4 if is_smoke(args) else batch, args.prompt_len)
+        for _ in range(4): llm.step()
+        with profile_run(llm.device) as run:
+            for _ in range(16): llm.step()
+        out[k]["decode"] = kernel_table(run, calls=16)
+        print("profile", k, {p: round(v["total_us"]) for p, v in out[k].items()}, flush=True)
+        for p, v in out[k].items():
+            for name, r in list(v["by_name"].items())[:12]: print(f"  {k} {p} {r['us']:9.1f} us x{r['count']:.0f} {name}")
+    res["profile"] = {"batch": batch, "chunk": chunk, **out}
+
+
 def main():
-    ap = parser(__doc__, out="figures/data", parts="check,gemm,prefill,decode")
+    ap = parser(__doc__, out="figures/data", parts="check,gemm,prefill,decode,profile")
     ap.add_argument("--shape", default="7B")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--batches", default="1,64,256")
@@ -163,7 +206,7 @@ def main():
     device = device_or_skip(args)
     dtype = torch.float32 if is_smoke(args) else torch.bfloat16
     res = {"shape": "tiny" if is_smoke(args) else args.shape}
-    parts = {p: (lambda p=p: globals()[p](res, args, device, dtype)) for p in ("check", "gemm", "prefill", "decode")}
+    parts = {p: (lambda p=p: globals()[p](res, args, device, dtype)) for p in ("check", "gemm", "prefill", "decode", "profile")}
     run_parts(parts, args.parts, saver(args.name, res, args))
     gc.collect()
     if any(k.endswith("_error") for k in res): raise SystemExit("a part failed (its error is in the JSON)")

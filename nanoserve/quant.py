@@ -187,27 +187,44 @@ def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, dtype=torch.floa
 def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Per-row (a scale a token) e4m3 of activations `x` [T, K]: (values [T, K], scales fp32 [T, 1]); a zero row: scale 1."
     xf = x.float()
-    scales = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX                  # [T, 1]
+    scales = xf.abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)          # [T, 1]; as the kernel computes it
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
 # %% ../nbs/08_quant.ipynb #96c3fdae
 @triton.jit
-def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK: tl.constexpr):
-    "One program a row: the row's peak in one pass over it, then every value over the scale, rounded to e4m3."
+def _row_scale_fp8(peak):
+    "A row's scale from its peak magnitude, as `quantize_rows_fp8_ref` computes it (times fp32 1/448); 1 for a zero row."
+    scale = peak * (1.0 / 448.0)
+    return tl.where(scale > 0, scale, 1.0)
+
+
+@triton.jit
+def _store_fp8(out_ptr, x, scale, mask):
+    "x over the scale (IEEE division, as torch divides), clamped to e4m3's range and rounded to it."
+    tl.store(out_ptr, tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK: tl.constexpr,
+                             ONE_PASS: tl.constexpr):
+    "One program a row: with `ONE_PASS` (K <= BLOCK) the row read once; else its peak in a pass, the values in another."
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_out
-    peak = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        peak = tl.maximum(peak, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
-    scale = tl.div_rn(tl.max(peak, 0), 448.0)          # IEEE division, as torch's: the same scale to the bit
-    scale = tl.where(scale > 0, scale, 1.0)
+    if ONE_PASS:
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = _row_scale_fp8(tl.max(tl.abs(x), 0))
+        _store_fp8(out_row + cols, x, scale, cols < K)
+    else:
+        peak = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            peak = tl.maximum(peak, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+        scale = _row_scale_fp8(tl.max(peak, 0))
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            _store_fp8(out_row + k0 + cols, x, scale, k0 + cols < K)
     tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
-        tl.store(out_row + k0 + cols, q.to(out_ptr.dtype.element_ty), mask=k0 + cols < K)
 
 # %% ../nbs/08_quant.ipynb #e82a264b
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,9 +233,10 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = x.shape
     out = torch.empty(T, K, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(K) if K <= 8192 else 2048          # a row of up to 8,192 values read once
     if T:
-        quantize_rows_fp8_kernel[(T,)](x, out, scales, K, x.stride(0), out.stride(0),
-                                       BLOCK=min(triton.next_power_of_2(K), 2048), num_warps=4)
+        quantize_rows_fp8_kernel[(T,)](x, out, scales, K, x.stride(0), out.stride(0), BLOCK=block, ONE_PASS=K <= block,
+                                       num_warps=8 if block >= 4096 else 4)
     return out, scales
 
 # %% ../nbs/08_quant.ipynb #59e9ad1d

@@ -39,7 +39,7 @@ def on_grid_rows(T, K, seed=0, dtype=torch.float32):
     return (v * torch.tensor([2.0 ** (i % 9 - 6) for i in range(T)])[:, None]).to(dtype)
 
 
-@pytest.mark.parametrize("K", [16, 300, 2048, 5000])
+@pytest.mark.parametrize("K", [16, 300, 2048, 5000, 9000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_row_kernel_writes_the_references_bytes(K, dtype):
     x = on_grid_rows(6, K, seed=K, dtype=dtype)
