@@ -178,6 +178,7 @@ def profile(res, args, device, dtype):
     es, chunk = engines(args, device, dtype), 64 if is_smoke(args) else args.chunk
     batch, out = max(int(b) for b in args.batches.split(",")), {}
     for k, llm in es.items():
+        for i in list(llm._requests): llm.abort_request(i)                           # the decode part's rows
         prefill_ms(llm, chunk, next(SEEDS))
         with profile_run(llm.device) as run: prefill_ms(llm, chunk, next(SEEDS))
         out[k] = {"prefill": kernel_table(run)}

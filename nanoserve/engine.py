@@ -869,9 +869,10 @@ class LLM(EngineAPI):
         num_outputs = sum(sp.n for _, _, sp in checked)
         try:
             for c in checked: ids.append(self._add(*c, stream=False))
+            mine = set(ids)                          # requests added before this call may finish meanwhile
             while len(done) < num_outputs:
                 for out in self.step():
-                    if out.finished: done[out.request_id, out.index] = out
+                    if out.finished and out.request_id in mine: done[out.request_id, out.index] = out
         except BaseException:
             for i in ids: self.abort_request(i)
             raise

@@ -251,11 +251,12 @@ def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_matmul_ref` on fp8 tensor cores: x quantized by `quantize_rows_fp8` (on a GPU; by the reference's torch
     ops elsewhere), the product by `torch._scaled_mm` with a scale a row of x and one an output channel, applied to
-    the fp32 sums. On a GPU the product is written in bf16 (what its row-wise scaling writes), then x's dtype."""
+    the fp32 sums, the bias added by the product's own epilogue. On a GPU the product is written in bf16 (what its
+    row-wise scaling writes), then x's dtype."""
     xq, x_scales = quantize_rows_fp8(x) if x.is_cuda else quantize_rows_fp8_ref(x)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     out = torch._scaled_mm(xq, qweight.t(), scale_a=x_scales, scale_b=scales.view(1, -1),            # [T, N]
-                           out_dtype=torch.bfloat16 if x.is_cuda else x.dtype)
-    if bias is not None: out = out + bias.to(out.dtype)
+                           bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
     return out.to(x.dtype)
 
 # %% ../nbs/08_quant.ipynb #c8fbb42f

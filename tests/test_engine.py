@@ -274,6 +274,17 @@ def test_streaming_deltas_add_up(llm):
     assert_all_free(llm)
 
 
+def test_generate_beside_requests_already_running(fresh):
+    "`generate` returns its own outputs when a request added before it finishes first; that one's stays in step()."
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    early = fresh.add_request(random_prompt(6, 3072, 3), short, stream=False)
+    fresh.step()                                            # its prefill: it finishes after the next step
+    out = fresh.generate([random_prompt(30, 3072, 4)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out) == 1 and out[0].request_id != early and len(out[0].token_ids) == 8
+    assert out[0].token_ids == fresh.generate([random_prompt(30, 3072, 4)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    assert not fresh.has_unfinished_requests()
+
+
 def test_step_with_nothing_to_do(rnd):
     assert rnd.step() == []
     assert not rnd.has_unfinished_requests()
