@@ -40,12 +40,12 @@ __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS
            'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
            'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
            'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
-           'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model',
-           'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4',
-           'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer', 'fused_quant_linear',
-           'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense', 'gptq8_state_dict',
-           'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality',
-           'quantized_linear_bytes']
+           'quantize_weight', 'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
+           'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32',
+           'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
+           'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense',
+           'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize',
+           'write_fp8', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -1072,6 +1072,20 @@ def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int |
         return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl, tuned=tuned)
     return quant_gemm(x, qweight, scales, zeros, bias, method, group_size, config=gemm_cfg)
 
+# %% ../nbs/08_quant.ipynb #7824480c
+def quantize_weight(w: torch.Tensor, method: str, group_size: int = 128, name: str = "linear",
+                    tuned: Mapping | None = None) -> tuple:
+    """(qweight, scales, zeros or None) of a weight [N, K] in `method`'s format, INT4 in the one-row GEMV's layout
+    (`tuned`: the GEMV entry an A/B tries in place of the table's)."""
+    if method == "int8": return quantize_int8(w) + (None,)
+    if method == "fp8": return quantize_fp8(w) + (None,)
+    if method != "int4": raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
+    N, K = w.shape
+    _check_group(K, group_size, name)
+    packed = quantize_int4(w, group_size)
+    tile = gemv_tile(N, K, group_size, tuned)
+    return tile_int4(*packed, group_size, tile) if tile else packed      # tiled: the one-row GEMV's layout
+
 # %% ../nbs/08_quant.ipynb #90439c28
 class QuantLinear(nn.Module):
     """A linear layer with INT8 (per channel) or INT4 (group-wise) weights, computing in the input's dtype, or fp8
@@ -1097,16 +1111,8 @@ class QuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, method: str, group_size: int = 128, name: str = "linear",
                     tuned: Mapping | None = None) -> "QuantLinear":
         "Quantize `linear`'s current weight on its own device; the bias is kept in its dtype."
-        w = linear.weight.detach()
-        if method == "int8": packed = quantize_int8(w) + (None,)
-        elif method == "fp8": packed = quantize_fp8(w) + (None,)
-        elif method == "int4":
-            _check_group(linear.in_features, group_size, name)
-            packed = quantize_int4(w, group_size)
-        else: raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
+        packed = quantize_weight(linear.weight.detach(), method, group_size, name, tuned)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        tile = gemv_tile(linear.out_features, linear.in_features, group_size, tuned) if method == "int4" else 0
-        if tile: packed = tile_int4(*packed, group_size, tile)              # the one-row GEMV's layout
         return cls(*packed, bias, linear.in_features, linear.out_features, method, group_size, tuned)
 
     def use_kernels(self, x: torch.Tensor) -> bool:
