@@ -362,8 +362,9 @@ def tile_n(block_size: int) -> int:
 
 
 def prefill_tile_n(block_size: int, head_dim: int) -> int:
-    "Keys per iteration of the prefill loop: at least a block (64 or 32 on a GPU, by head size: its registers)."
-    return max(block_size, 64 if head_dim <= 64 else 32) if not INTERPRET else max(block_size, 16)
+    """Keys per iteration of the prefill loop: at least a block; 64 on a GPU at head sizes up to 128
+    (`kernels/prefill_tiles_h200.py`)."""
+    return (max(block_size, 64) if head_dim <= 128 else max(block_size, 32)) if not INTERPRET else max(block_size, 16)
 
 
 def dot_precision(q: torch.Tensor) -> str:
