@@ -6,7 +6,8 @@
 
 In the tutorials' order:
 - check: the Triton row quantizer's bytes and scales against torch's (`quantize_rows_fp8_ref`) on random bf16
-  activations, and `fp8_matmul` against `fp8_matmul_ref` and against the exact bf16 product, per layer of the shape;
+  activations, `fp8_matmul` against `fp8_matmul_ref` and against the exact bf16 product, per layer of the shape,
+  and the fused norm and activation kernels (`add_rmsnorm_fp8`, `silu_mul_fp8`) against the two kernels each replaces;
 - gemm: µs a call of each layer at T rows inside CUDA graphs over weight copies that miss L2 (`graph_bench`): bf16
   `F.linear`, the fp8 product with its row quantizer, `torch._scaled_mm` alone, the row quantizer alone; TFLOP/s;
 - prefill: two engines of the shape (bf16 and fp8 weights, random values, the package's defaults otherwise), each
@@ -29,9 +30,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanoserve.measure import event_record, is_device_kernel, profile_run  # noqa: E402
-from nanoserve.model import ModelConfig  # noqa: E402
-from nanoserve.quant import (fp8_matmul, fp8_matmul_ref, quantize_fp8, quantize_rows_fp8,  # noqa: E402
-                             quantize_rows_fp8_ref)
+from nanoserve.model import SHAPES, ModelConfig  # noqa: E402
+from nanoserve.quant import (add_rmsnorm_fp8, fp8_matmul, fp8_matmul_ref, quantize_fp8, quantize_rows_fp8,  # noqa: E402
+                             quantize_rows_fp8_ref, silu_mul_fp8)
 
 NAME = "w8a8_h200.json"
 SEEDS = itertools.count(1000)                  # a fresh prompt every call: no prefix-cache hit
@@ -59,9 +60,31 @@ def check(res, args, device, dtype):
                 except Exception as e:
                     rows[-1]["scaled_mm_bias_error"] = repr(e)[:300]
             print(rows[-1], flush=True)
-    res["check"] = {"rows": rows}
-    if not is_smoke(args):            # the interpreter rounds some values to e4m3 its own way (the chapter says how)
+    res["check"] = {"rows": rows, "fused": fused_checks(args, device, dtype)}
+    if not is_smoke(args):
+        assert all(r["scales_equal"] and r["bytes_equal"] == 1.0 for r in res["check"]["fused"]), res["check"]["fused"]            # the interpreter rounds some values to e4m3 its own way (the chapter says how)
         assert all(r["scales_equal"] and r["bytes_equal"] == 1.0 and r["rel_err_vs_ref"] < 0.02 for r in rows), rows
+
+
+def fused_checks(args, device, dtype) -> list:
+    "The fused norm and activation kernels' bytes and scales against the two kernels each replaces, run in turn."
+    from nanoserve.fused import add_rmsnorm, silu_mul
+    cfg = ModelConfig.from_dict(SHAPES[args.shape]) if not is_smoke(args) else None
+    H, inter = (cfg.hidden_size, cfg.intermediate_size) if cfg else (256, 688)
+    rows = []
+    for T in ((1, 8) if is_smoke(args) else (1, 64, args.chunk)):
+        x, r = torch.randn(T, H, device=device, dtype=dtype), torch.randn(T, H, device=device, dtype=dtype)
+        w = torch.rand(H, device=device, dtype=dtype) + 0.5
+        (q, s), _ = add_rmsnorm_fp8(x, r, w, 1e-6)
+        q_u, s_u = quantize_rows_fp8(add_rmsnorm(x, r, w, 1e-6)[0])
+        gu = torch.randn(T, 2 * inter, device=device, dtype=dtype) * 3
+        qa, sa = silu_mul_fp8(gu)
+        qa_u, sa_u = quantize_rows_fp8(silu_mul(gu))
+        for name, a, b, sa_, sb in (("add_rmsnorm_fp8", q, q_u, s, s_u), ("silu_mul_fp8", qa, qa_u, sa, sa_u)):
+            rows.append({"kernel": name, "T": T, "scales_equal": bool(torch.equal(sa_, sb)),
+                         "bytes_equal": (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()})
+    print(rows, flush=True)
+    return rows
 
 
 def gemm(res, args, device, dtype):

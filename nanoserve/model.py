@@ -406,7 +406,10 @@ def gemv_takes_norm(kernels: ModelKernels, gemv: Callable | None) -> bool:
 def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                 gemv: Callable | None, kernels: ModelKernels) -> tuple[torch.Tensor, torch.Tensor]:
     """`(layer(norm(x + residual)), x + residual)` (no residual: `x` is the new one), the projection by `gemv` where
-    it fits; with `gemv_takes_norm`, one `gemv` that also normalises its own input."""
+    it fits; with `gemv_takes_norm`, one `gemv` that also normalises its own input. A layer that `fuses_input` (the
+    quantization chapter's fp8 layer) normalises it itself, when the table's norm is a kernel."""
+    if getattr(layer, "fuses_input", False) and kernels.add_rmsnorm is not None:
+        return layer.norm_forward(norm, x, residual)
     if gemv_takes_norm(kernels, gemv) and _gemv_fits(layer, x):
         return gemv(x, layer.weight, layer.bias, pdl=kernels.pdl, norm=(norm.weight, norm.eps), residual=residual)
     if residual is None: residual, x = x, rms_norm(norm, x, None, kernels)
@@ -465,6 +468,8 @@ class Qwen2MLP(nn.Module):
         if kernels.silu_mul is None:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
+        if getattr(self.down_proj, "fuses_input", False):          # fp8 (quantization chapter): SiLU x up inside
+            return self.down_proj.gate_up_forward(gate_up)
         if kernels.gemv is not None and _gemv_fits(self.down_proj, gate_up):
             return kernels.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=kernels.pdl)
         return self.down_proj(kernels.silu_mul(gate_up, pdl=kernels.pdl))

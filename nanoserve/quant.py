@@ -23,9 +23,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .fused import _normed, silu_mul_ref
 from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_state_dict,
                              model_from_state_dict, read_config_json)
-from .runtime import (INTERPRET, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
+from .runtime import (INTERPRET, add_fn, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
                                split_counters, split_tiles, sum_last)
 
 METHODS = ("int8", "int4")              # weight-only: dequantized in registers by the Triton kernels
@@ -36,13 +37,14 @@ __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS
            'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'QUANT_TARGETS', 'AWQ_ORDER', 'FUSED_PROJECTIONS', 'QuantConfig',
            'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_values', 'int4_rows',
            'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'quantize_fp8', 'dequantize_fp8',
-           'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8', 'fp8_matmul_ref', 'fp8_matmul',
+           'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8', 'fp8_matmul_ref', 'fp8_scaled_mm',
+           'fp8_matmul', 'add_rmsnorm_fp8_kernel', 'add_rmsnorm_fp8', 'silu_mul_fp8_kernel', 'silu_mul_fp8',
            'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
            'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
            'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
-           'quantize_weight', 'QuantLinear', 'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
-           'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32',
-           'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
+           'quantize_weight', 'QuantLinear', 'Fp8Linear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
+           'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32',
+           'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
            'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense',
            'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize',
            'write_fp8', 'logit_quality', 'quantized_linear_bytes']
@@ -248,16 +250,98 @@ def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 # %% ../nbs/08_quant.ipynb #3c7726ae
+def fp8_scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 rows `xq` [T, K] (a scale each, [T, 1]) @ e4m3 weights [N, K] (a scale a channel) + bias -> [T, N] in
+    `dtype`, by `torch._scaled_mm`: the scales applied to the fp32 sums, the bias by the product's own epilogue; on a
+    GPU written in bf16 (what its row-wise scaling writes), then `dtype`."""
+    out_dtype = torch.bfloat16 if xq.is_cuda else dtype
+    out = torch._scaled_mm(xq, qweight.t(), scale_a=x_scales, scale_b=scales.view(1, -1),                 # [T, N]
+                           bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+    return out.to(dtype)
+
+
 def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_matmul_ref` on fp8 tensor cores: x quantized by `quantize_rows_fp8` (on a GPU; by the reference's torch
-    ops elsewhere), the product by `torch._scaled_mm` with a scale a row of x and one an output channel, applied to
-    the fp32 sums, the bias added by the product's own epilogue. On a GPU the product is written in bf16 (what its
-    row-wise scaling writes), then x's dtype."""
+    ops elsewhere), then `fp8_scaled_mm`."""
     xq, x_scales = quantize_rows_fp8(x) if x.is_cuda else quantize_rows_fp8_ref(x)
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    out = torch._scaled_mm(xq, qweight.t(), scale_a=x_scales, scale_b=scales.view(1, -1),            # [T, N]
-                           bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
-    return out.to(x.dtype)
+    return fp8_scaled_mm(xq, x_scales, qweight, scales, bias, x.dtype)
+
+# %% ../nbs/08_quant.ipynb #5e52e912
+@triton.jit
+def add_rmsnorm_fp8_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, new_residual_ptr, eps, stride_x,
+                           stride_r, stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                           HAS_RESIDUAL: tl.constexpr):
+    "`add_rmsnorm_kernel`'s row in the model's dtype, then that row in e4m3 with its own scale: one program a row."
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(new_residual_ptr.dtype.element_ty)          # rounded like the torch add
+        tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.reduce(x * x, 0, add_fn) / HIDDEN
+    normed = _normed(x, x, w, 1.0 / tl.sqrt(var + eps), x_ptr.dtype.element_ty, False)   # as add_rmsnorm rounds it
+    scale = _row_scale_fp8(tl.max(tl.abs(normed), 0))
+    _store_fp8(out_ptr + row * stride_o + cols, normed, scale, mask)
+    tl.store(scale_ptr + row, scale)
+
+# %% ../nbs/08_quant.ipynb #ddf5fac8
+def add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """`quantize_rows_fp8(add_rmsnorm(x, residual, weight, eps))` in one kernel: ((e4m3 values [T, H], scales
+    [T, 1]), the new residual: x + residual, or x itself without one)."""
+    T, H = x.shape
+    if x.stride(-1) != 1 or not weight.is_contiguous(): raise ValueError("add_rmsnorm_fp8: x and weight must be contiguous along H")
+    out = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else x
+    if T:
+        r = residual if residual is not None else x
+        add_rmsnorm_fp8_kernel[(T,)](x, r, weight, out, scales, new_residual, eps, x.stride(0), r.stride(0),
+                                     out.stride(0), new_residual.stride(0), HIDDEN=H, BLOCK=triton.next_power_of_2(H),
+                                     HAS_RESIDUAL=residual is not None, num_warps=4)
+    return (out, scales), new_residual
+
+# %% ../nbs/08_quant.ipynb #f6e74667
+@triton.jit
+def _silu_mul_row(row_ptr, k0, cols, INTER, DTYPE: tl.constexpr):
+    "silu(gate) * up at inputs k0 + cols of one `[2I]` row, in fp32, rounded to `DTYPE` as `silu_mul_kernel` rounds."
+    mask = k0 + cols < INTER
+    g = tl.load(row_ptr + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(row_ptr + INTER + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return (act * u).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, stride_in, stride_out, INTER, BLOCK: tl.constexpr):
+    "`silu_mul_kernel`'s row, then that row in e4m3 with its own scale: its peak in one pass, its bytes in a second."
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    row_ptr, dtype = gate_up_ptr + row * stride_in, gate_up_ptr.dtype.element_ty
+    peak = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, INTER, BLOCK):
+        peak = tl.maximum(peak, tl.abs(_silu_mul_row(row_ptr, k0, cols, INTER, dtype)))
+    scale = _row_scale_fp8(tl.max(peak, 0))
+    for k0 in range(0, INTER, BLOCK):
+        _store_fp8(out_ptr + row * stride_out + k0 + cols, _silu_mul_row(row_ptr, k0, cols, INTER, dtype), scale,
+                   k0 + cols < INTER)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "`quantize_rows_fp8(silu_mul(gate_up))` in one kernel: [T, 2I] -> (e4m3 values [T, I], scales [T, 1])."
+    T, two_i = gate_up.shape
+    if gate_up.stride(-1) != 1: raise ValueError("silu_mul_fp8: gate_up must be contiguous along its rows")
+    out = torch.empty(T, two_i // 2, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.empty(T, 1, dtype=torch.float32, device=gate_up.device)
+    if T:
+        silu_mul_fp8_kernel[(T,)](gate_up, out, scales, gate_up.stride(0), out.stride(0), two_i // 2,
+                                  BLOCK=min(triton.next_power_of_2(two_i // 2), 2048), num_warps=4)
+    return out, scales
 
 # %% ../nbs/08_quant.ipynb #c8fbb42f
 def dequantize(qweight, scales, zeros, method: str, group_size: int | None, dtype=torch.float32) -> torch.Tensor:
@@ -1113,7 +1197,8 @@ class QuantLinear(nn.Module):
         "Quantize `linear`'s current weight on its own device; the bias is kept in its dtype."
         packed = quantize_weight(linear.weight.detach(), method, group_size, name, tuned)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(*packed, bias, linear.in_features, linear.out_features, method, group_size, tuned)
+        layer_cls = Fp8Linear if method == "fp8" else cls          # fp8: the layer that also fuses its input's rounding
+        return layer_cls(*packed, bias, linear.in_features, linear.out_features, method, group_size, tuned)
 
     def use_kernels(self, x: torch.Tensor) -> bool:
         on = x.is_cuda if self.kernels is None else self.kernels
@@ -1143,6 +1228,27 @@ class QuantLinear(nn.Module):
         g = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{g}, " \
                f"bias={self.bias is not None}"
+
+# %% ../nbs/08_quant.ipynb #95d377d9
+class Fp8Linear(QuantLinear):
+    """A `QuantLinear` of fp8 weights that can also take its input before the kernel that makes it: the model
+    chapter's decoder hands it the norm's input (`norm_forward`) or the gate/up output (`gate_up_forward`) when its
+    kernel table has the fused kernels, and the rounding to e4m3 happens inside them."""
+    fuses_input = True
+
+    def norm_forward(self, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        "(self(norm(x + residual)), x + residual); x itself is the new residual without one. One kernel: `add_rmsnorm_fp8`."
+        if not self.use_kernels(x):
+            y, residual = (norm(x), x) if residual is None else norm(x, residual)
+            return self(y), residual
+        (xq, x_scales), residual = add_rmsnorm_fp8(x, residual, norm.weight, norm.eps)
+        return fp8_scaled_mm(xq, x_scales, self.qweight, self.scales, self.bias, x.dtype), residual
+
+    def gate_up_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        "self(silu(gate) * up) of `gate_up` [T, 2K]. One kernel: `silu_mul_fp8`."
+        if not self.use_kernels(gate_up): return self(silu_mul_ref(gate_up))
+        xq, x_scales = silu_mul_fp8(gate_up)
+        return fp8_scaled_mm(xq, x_scales, self.qweight, self.scales, self.bias, gate_up.dtype)
 
 # %% ../nbs/08_quant.ipynb #b944a3c5
 def int4_linear(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,

@@ -176,3 +176,59 @@ def test_the_command_lines_take_fp8():
     assert server.build_parser().parse_args(["--quantization", "fp8"]).quantization == "fp8"
     assert cli.build_parser().parse_args(["generate", "--quantization", "fp8", "hi"]).quantization == "fp8"
     with pytest.raises(SystemExit): bench.build_parser().parse_args(["--quantization", "fp4"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [True, False])
+def test_the_fused_norm_writes_the_two_kernels_bytes(dtype, residual):
+    from nanoserve.fused import add_rmsnorm
+    from nanoserve.quant import add_rmsnorm_fp8
+    g = torch.Generator().manual_seed(5)
+    x, r, w = (torch.randn(7, 320, generator=g) * 3).to(dtype), torch.randn(7, 320, generator=g).to(dtype), \
+        (torch.rand(320, generator=g) + 0.5).to(dtype)
+    (q, s), res = add_rmsnorm_fp8(x, r if residual else None, w, 1e-5)
+    unfused = add_rmsnorm(x, r if residual else None, w, 1e-5)
+    normed, res_u = unfused if residual else (unfused, x)
+    q_u, s_u = quantize_rows_fp8(normed)
+    assert torch.equal(s, s_u) and torch.equal(q.view(torch.uint8), q_u.view(torch.uint8)) and torch.equal(res, res_u)
+
+
+@pytest.mark.parametrize("inter", [96, 2048, 4500])
+def test_the_fused_activation_writes_the_two_kernels_bytes(inter):
+    from nanoserve.fused import silu_mul
+    from nanoserve.quant import silu_mul_fp8
+    gu = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4
+    (q, s), (q_u, s_u) = silu_mul_fp8(gu), quantize_rows_fp8(silu_mul(gu))
+    assert torch.equal(s, s_u) and torch.equal(q.view(torch.uint8), q_u.view(torch.uint8))
+    assert silu_mul_fp8(gu[:0])[0].shape == (0, inter)
+
+
+def test_the_decoder_hands_fp8_layers_their_inputs_when_it_runs_the_kernels(monkeypatch):
+    """With the fused kernels in the table, each fp8 QKV and gate/up layer gets the norm's input and each down layer the
+    gate/up output: the fused kernels run, and with torch's e4m3 rounding in their place (the interpreter rounds
+    some values its own way) the logits are the torch path's."""
+    import nanoserve.quant as Q
+    from nanoserve.fused import add_rmsnorm, silu_mul
+    from nanoserve.model import ModelKernels
+    ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(6))
+    m = small_model()
+    quantize_model(m, "fp8")
+    want = logits(m, ids)                                      # the torch path: norms and activations in torch
+    for layer in m.modules():
+        if isinstance(layer, QuantLinear): layer.kernels = True
+    m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul))
+    calls = []
+    real_norm, real_act = Q.add_rmsnorm_fp8, Q.silu_mul_fp8
+    monkeypatch.setattr(Q, "add_rmsnorm_fp8", lambda *a: (calls.append("norm"), real_norm(*a))[1])
+    monkeypatch.setattr(Q, "silu_mul_fp8", lambda *a: (calls.append("act"), real_act(*a))[1])
+    assert torch.isfinite(logits(m, ids)).all()
+    assert calls == ["norm", "norm", "act"] * 2                # two layers: QKV and gate/up, then down
+
+    def norm_then_round(x, residual, weight, eps):
+        out = add_rmsnorm(x, residual, weight, eps)
+        normed, new_residual = out if residual is not None else (out, x)
+        return quantize_rows_fp8_ref(normed), new_residual
+    monkeypatch.setattr(Q, "add_rmsnorm_fp8", norm_then_round)
+    monkeypatch.setattr(Q, "silu_mul_fp8", lambda gu: quantize_rows_fp8_ref(silu_mul(gu)))
+    got = logits(m, ids)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
