@@ -321,14 +321,14 @@ def silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, stride_in, stride_out, 
     "`silu_mul_kernel`'s row, then that row in e4m3 with its own scale: its peak in one pass, its bytes in a second."
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    row_ptr, dtype = gate_up_ptr + row * stride_in, gate_up_ptr.dtype.element_ty
+    row_ptr = gate_up_ptr + row * stride_in
     peak = tl.zeros([BLOCK], tl.float32)
     for k0 in range(0, INTER, BLOCK):
-        peak = tl.maximum(peak, tl.abs(_silu_mul_row(row_ptr, k0, cols, INTER, dtype)))
+        peak = tl.maximum(peak, tl.abs(_silu_mul_row(row_ptr, k0, cols, INTER, gate_up_ptr.dtype.element_ty)))
     scale = _row_scale_fp8(tl.max(peak, 0))
     for k0 in range(0, INTER, BLOCK):
-        _store_fp8(out_ptr + row * stride_out + k0 + cols, _silu_mul_row(row_ptr, k0, cols, INTER, dtype), scale,
-                   k0 + cols < INTER)
+        x = _silu_mul_row(row_ptr, k0, cols, INTER, gate_up_ptr.dtype.element_ty)
+        _store_fp8(out_ptr + row * stride_out + k0 + cols, x, scale, k0 + cols < INTER)
     tl.store(scale_ptr + row, scale)
 
 

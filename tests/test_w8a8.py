@@ -232,3 +232,37 @@ def test_the_decoder_hands_fp8_layers_their_inputs_when_it_runs_the_kernels(monk
     monkeypatch.setattr(Q, "silu_mul_fp8", lambda gu: quantize_rows_fp8_ref(silu_mul(gu)))
     got = logits(m, ids)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+FP8_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import nanoserve.quant as Q
+def build(kernel, sig, consts):
+    src = ASTSource(fn=kernel, signature={n: sig.get(n, "constexpr") for n in kernel.arg_names},
+                    constexprs={(i,): consts[n] for i, n in enumerate(kernel.arg_names) if n in consts})
+    cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return cc.asm["ptx"]
+rows = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_out": "i32"}
+for one in (True, False):
+    ptx = build(Q.quantize_rows_fp8_kernel, rows, {"BLOCK": 4096 if one else 2048, "ONE_PASS": one})
+    print("rows", one, ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
+norm = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+        "new_residual_ptr": "*bf16", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_nr": "i32"}
+ptx = build(Q.add_rmsnorm_fp8_kernel, norm, {"HIDDEN": 3584, "BLOCK": 4096, "HAS_RESIDUAL": True})
+print("norm", ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
+act = {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_in": "i32", "stride_out": "i32", "INTER": "i32"}
+ptx = build(Q.silu_mul_fp8_kernel, act, {"BLOCK": 2048})
+print("act", ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
+"""
+
+
+def test_the_fp8_kernels_compile_for_hopper():
+    """The row quantizer (one pass and two), the fused norm and the fused activation, compiled for sm_90 on the CPU
+    in bf16 as a GPU launches them (the interpreter accepts Python that Triton's compiler does not): each rounds to
+    e4m3 with the hardware's saturating conversion and divides by IEEE rules."""
+    from helpers import compiled_run
+    out = {tuple(line.split()[:-2]): tuple(map(int, line.split()[-2:])) for line in compiled_run(FP8_COMPILE).splitlines()}
+    assert set(out) == {("rows", "True"), ("rows", "False"), ("norm",), ("act",)}, out
+    assert all(cvt > 0 and div > 0 for cvt, div in out.values()), out
