@@ -4,14 +4,15 @@ Run on any machine from the repo root (about half a minute on two cores):
     PYTHONPATH=. python kernels/quant_quality_cpu.py --out figures/data
 Writes quant_quality_cpu.json (run metadata inside), which the quantization chapter reads and draws:
 - tiny: the shipped tiny model (4 layers, hidden 256, intermediate 688) in fp32, on held-out rows of the standard
-  library it never trained on, one full-sequence forward per row, INT8 and INT4 in groups of 16 and 8 (688 admits
-  no group of 32 or more), with and without the LM head quantized: the logits' relative error, the mean KL(full ||
+  library it never trained on, one full-sequence forward per row, INT8, INT4 in groups of 16 and 8 (688 admits
+  no group of 32 or more) and fp8 W8A8 (`quantization="fp8"`: e4m3 weights and activations, method "fp8"), with and
+  without the LM head quantized: the logits' relative error, the mean KL(full ||
   quantized) a token, top-1 agreement and the perplexity against the full-precision model; and the K/V cache in fp8
   e4m3 with full-precision weights ("kv_fp8": every key and value rounded as the engine's fp8 cache stores it);
   and the weights as fp8 checkpoints store them ("fp8 128x128": e4m3 with a scale per 128 x 128 block of each
   projection, as Qwen3's releases; "fp8 tensor": one scale a projection), dequantized as the loader reads them;
 - 0.5B: all 24 layers of the 0.5B shape with random weights (std 0.02) in fp32, 128 random tokens, one forward per
-  format, INT8 and INT4 in groups of 32, 64 and 128, kv_fp8 and the fp8 weights: the same measures but perplexity
+  format, INT8, INT4 in groups of 32, 64 and 128, fp8 W8A8, kv_fp8 and the fp8 checkpoints' weights: the same measures but perplexity
   (random targets mean nothing).
 Checked before it is written: INT8 closer than INT4 on both, INT4's error falling with the group on the 0.5B shape.
 `--smoke`: the same code, two short rows of the tiny model and a two-layer random model of the tiny shape.
@@ -29,9 +30,9 @@ from nanoserve.quant import fp8_dequantize, fp8_quantize, logit_quality, quantiz
 from nanoserve.tokenizer import default_model
 from nanoserve.train import heldout_rows
 
-TINY_CONFIGS = [("int8", None, False), ("int4", 16, False), ("int4", 8, False), ("int8", None, True),
-                ("int4", 16, True)]
-BIG_CONFIGS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
+TINY_CONFIGS = [("int8", None, False), ("int4", 16, False), ("int4", 8, False), ("fp8", None, False),
+                ("int8", None, True), ("int4", 16, True), ("fp8", None, True)]
+BIG_CONFIGS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("fp8", None)]
 FP8 = torch.float8_e4m3fn      # the K/V cache's fp8 (the weights full precision): method "kv_fp8" in the results
 FP8_WEIGHTS = (("fp8 128x128", (128, 128)), ("fp8 tensor", None))     # fp8 checkpoints' weight scales
 
