@@ -38,15 +38,16 @@ def write_format(src: Path, dst: Path, fmt: str, act_order: bool, G: int, device
     gen, out, orders = torch.Generator().manual_seed(0), {}, {}
     for name, w in load_state_dict(src, device=device.type).items():
         if not name.endswith("_proj.weight"): out[name] = w.cpu().contiguous(); continue
-        qw, s, z = quantize_int4(w, G)
+        K = w.shape[1]
+        key = (name.rsplit(".", 2)[0], "o" if "o_proj" in name else "down" if "down_proj" in name else
+               "qkv" if "self_attn" in name else "gate_up")                            # one input, one order
+        if key not in orders: orders[key] = torch.randperm(K, generator=gen) if act_order and fmt == "gptq" else None
+        order = None if orders[key] is None else orders[key].to(w.device)
+        qw, s, z = quantize_int4(w if order is None else w[:, order], G)              # groups in the tool's order
         vals, s = unpack_int4(qw), s.half().float()                                    # [N, K]; fp16 as stored
         if fmt == "awq": t = awq_tensors(vals, s, z)
         else:
-            K = w.shape[1]
-            key = (name.rsplit(".", 2)[0], "o" if "o_proj" in name else "down" if "down_proj" in name else
-                   "qkv" if "self_attn" in name else "gate_up")                        # one input, one order
-            if key not in orders: orders[key] = torch.randperm(K, generator=gen) if act_order else torch.arange(K)
-            order = orders[key].to(w.device)
+            order = torch.arange(K, device=w.device) if order is None else order
             g_idx = torch.empty(K, dtype=torch.long, device=w.device)
             g_idx[order] = torch.arange(K, device=w.device) // G
             vals_in = torch.empty_like(vals); vals_in[:, order] = vals                # the inputs' own order
