@@ -9,7 +9,8 @@ In the tutorials' order:
   activations, `fp8_matmul` against `fp8_matmul_ref` and against the exact bf16 product, per layer of the shape,
   and the fused norm and activation kernels (`add_rmsnorm_fp8`, `silu_mul_fp8`) against the two kernels each replaces;
 - gemm: µs a call of each layer at T rows inside CUDA graphs over weight copies that miss L2 (`graph_bench`): bf16
-  `F.linear`, the fp8 product with its row quantizer, `torch._scaled_mm` alone, the row quantizer alone; TFLOP/s;
+  `F.linear`, the fp8 product with its row quantizer, `torch._scaled_mm` alone, the row quantizer alone, and at one
+  row the one-row GEMV over e4m3 weights and input (what an fp8 layer runs there; the speedup's numerator); TFLOP/s;
 - prefill: two engines of the shape (bf16 and fp8 weights, random values, the package's defaults otherwise), each
   timing one chunk of `--chunk` fresh random tokens (`max_tokens=1`: the prefill and its first token), timed twice
   per round, the engines alternating and the order flipping each round; TFLOP/s from the model's FLOPs;
@@ -29,6 +30,7 @@ from lab import (LLM, SamplingParams, device_or_skip, graph_bench, is_smoke, lay
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoserve.fused import gemv  # noqa: E402
 from nanoserve.measure import event_record, is_device_kernel, profile_run  # noqa: E402
 from nanoserve.model import SHAPES, ModelConfig  # noqa: E402
 from nanoserve.quant import (add_rmsnorm_fp8, fp8_matmul, fp8_matmul_ref, quantize_fp8, quantize_rows_fp8,  # noqa: E402
@@ -103,10 +105,13 @@ def gemm(res, args, device, dtype):
                       xq, cf[i][0].t(), scale_a=xs, scale_b=cf[i][1].view(1, -1),
                       out_dtype=torch.bfloat16 if device.type == "cuda" else dtype), N * K, device=device),
                   "quantize_rows": graph_bench(lambda i: lambda: quantize_rows_fp8(x), 3 * T * K, device=device)}
+            if T == 1:                        # what an fp8 layer runs at one row: the GEMV over e4m3 weights and input
+                us["fp8_gemv"] = graph_bench(lambda i: lambda: gemv(xq, cf[i][0], cf[i][2], scales=cf[i][1], x_scale=xs,
+                                                                    out_dtype=dtype), N * K, device=device)
             flops = 2 * T * N * K
             row = {"layer": name, "N": N, "K": K, "T": T, "us": us,
                    "TFLOPs": {k: flops / min(v) / 1e6 for k, v in us.items() if k != "quantize_rows"},
-                   "fp8_speedup": min(us["bf16"]) / min(us["fp8"])}
+                   "fp8_speedup": min(us["bf16"]) / min(us["fp8_gemv" if T == 1 else "fp8"])}
             rows.append(row)
             print(name, T, {k: round(min(v), 2) for k, v in us.items()}, f"fp8 {row['fp8_speedup']:.2f}x", flush=True)
     res["gemm"] = {"rows": rows}

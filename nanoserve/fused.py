@@ -170,10 +170,11 @@ def _gemv_inputs(x_ptr, kk, K, ACT: tl.constexpr, EVEN: tl.constexpr, res_ptr, n
 # %% ../nbs/07_fused.ipynb #3d8f0a45
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, tiles_per_split, stride_wn,
-                res_ptr, new_res_ptr, norm_w_ptr, eps,
+                res_ptr, new_res_ptr, norm_w_ptr, eps, scale_ptr, x_scale_ptr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr = False,
-                HAS_RESIDUAL: tl.constexpr = False, ROW: tl.constexpr = 1, PDL: tl.constexpr = False):
+                HAS_RESIDUAL: tl.constexpr = False, ROW: tl.constexpr = 1, PDL: tl.constexpr = False,
+                HAS_SCALE: tl.constexpr = False):
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -203,6 +204,8 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, N, K, ti
         acc += (_gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)
                 * _gemv_inputs(x_ptr, kk, K, ACT, EVEN, res_ptr, norm_w_ptr, rstd, NORM, HAS_RESIDUAL)[None, :])
     out = sum_last(acc, 1)[None, :]                                                         # [1, BLOCK_N]
+    if HAS_SCALE:                      # e4m3 weights and input (the quantization chapter): a scale a channel, one the row
+        out *= (tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0) * tl.load(x_scale_ptr))[None, :]
     finish_split(out, bias_ptr, out_ptr, part_ptr, counter_ptr, tl.arange(0, 1), offs_n, 1, N, 0, pid_n, pid_k,
                  tl.num_programs(1), HAS_BIAS, SPLIT)
 
@@ -231,9 +234,15 @@ def gemv_config(N: int, K: int, sms: int, config: dict | None = None, tuned: boo
     return gemv_rule(N, K, sms, {**(gemv_table().get((N, K), {}) if tuned else {}), **(config or {})})
 
 # %% ../nbs/07_fused.ipynb #6b2d9f19
-def check_gemv_args(x, weight, act: bool, norm: tuple | None, residual: torch.Tensor | None) -> None:
+def check_gemv_args(x, weight, act: bool, norm: tuple | None, residual: torch.Tensor | None,
+                    scales: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> None:
     "Raise `ValueError` unless `gemv` can compute this product."
     N, K = weight.shape
+    if (scales is None) != (x_scale is None): raise ValueError("gemv: scales and x_scale go together")
+    if scales is not None:
+        if act or norm is not None: raise ValueError("gemv: scaled inputs come already made: no norm or act")
+        if scales.shape != (N,) or scales.dtype != torch.float32 or x_scale.numel() != 1 or x_scale.dtype != torch.float32:
+            raise ValueError(f"gemv: expected fp32 scales of shape ({N},) and one fp32 x_scale")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if act else K):
         raise ValueError(f"gemv: expected x of shape (1, {2 * K if act else K}), got {tuple(x.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1: raise ValueError("gemv: x and weight must be contiguous along K")
@@ -248,15 +257,18 @@ def check_gemv_args(x, weight, act: bool, norm: tuple | None, residual: torch.Te
 # %% ../nbs/07_fused.ipynb #6b2d9f22
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
          config: dict | None = None, pdl: bool = False, norm: tuple | None = None,
-         residual: torch.Tensor | None = None, tuned: bool = True):
+         residual: torch.Tensor | None = None, tuned: bool = True, scales: torch.Tensor | None = None,
+         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     """`x` [1, K] @ `weight`.T [N, K] (+ `bias`) -> [1, N] in x's dtype; with `act`, `x` is [1, 2K] and silu(gate) * up
     goes in. With `norm` = (norm weight [K], eps), RMSNorm of `x` (+ `residual`) goes in, as `add_rmsnorm` computes
     it, and the result is `(out, new residual)`: `x + residual`, or `x` itself without a residual. `tuned=False`:
-    the rule's blocks even where the table has the shape (the table's control)."""
+    the rule's blocks even where the table has the shape (the table's control). With `scales` [N] and `x_scale` (one
+    value), weights and input are scaled numbers (the quantization chapter's e4m3): each sum times its channel's scale
+    and the row's, in `out_dtype`."""
     N, K = weight.shape
-    check_gemv_args(x, weight, act, norm, residual)
+    check_gemv_args(x, weight, act, norm, residual, scales, x_scale)
     cfg = gemv_config(N, K, num_sms(x.device), config, tuned)
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
     new_residual = torch.empty_like(x) if residual is not None else x                                  # [1, K]
     split = cfg["SPLIT_K"] > 1
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
@@ -266,9 +278,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, part, counters, N, K, cfg["tiles_per_split"],
         weight.stride(0), residual if residual is not None else x, new_residual,
         norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
+        scales if scales is not None else x, x_scale if x_scale is not None else x,
         HAS_BIAS=bias is not None, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, ROW=triton.next_power_of_2(K) if norm is not None else 1, PDL=pdl,
+        HAS_SCALE=scales is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_options(pdl))
     return out if norm is None else (out, new_residual)

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .fused import _normed, silu_mul_ref
+from .fused import _normed, gemv, silu_mul_ref
 from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_state_dict,
                              model_from_state_dict, read_config_json)
 from .runtime import (INTERPRET, add_fn, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
@@ -1231,10 +1231,22 @@ class QuantLinear(nn.Module):
 
 # %% ../nbs/08_quant.ipynb #95d377d9
 class Fp8Linear(QuantLinear):
-    """A `QuantLinear` of fp8 weights that can also take its input before the kernel that makes it: the model
-    chapter's decoder hands it the norm's input (`norm_forward`) or the gate/up output (`gate_up_forward`) when its
-    kernel table has the fused kernels, and the rounding to e4m3 happens inside them."""
+    """A `QuantLinear` of fp8 weights. At one row its product is the one-row GEMV over the e4m3 weights and input
+    (`gemv` with their scales: half bf16's bytes, where cuBLAS's fp8 GEMM is slower than bf16's GEMV), beyond it
+    `fp8_scaled_mm`; the same products either way, summed in another order. It can also take its input before the
+    kernel that makes it: the model chapter's decoder hands it the norm's input (`norm_forward`) or the gate/up output
+    (`gate_up_forward`) when its kernel table has the fused kernels, and the rounding to e4m3 happens inside them."""
     fuses_input = True
+
+    def product(self, xq: torch.Tensor, x_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        "e4m3 rows `xq` [T, K] (scales [T, 1]) times the weights -> [T, N] in `dtype`."
+        if xq.shape[0] == 1 and (xq.is_cuda or INTERPRET):
+            return gemv(xq, self.qweight, self.bias, pdl=self.pdl, scales=self.scales, x_scale=x_scales, out_dtype=dtype)
+        return fp8_scaled_mm(xq, x_scales, self.qweight, self.scales, self.bias, dtype)
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernels(x2): return fp8_matmul_ref(x2, self.qweight, self.scales, self.bias)
+        return self.product(*(quantize_rows_fp8(x2) if x2.is_cuda else quantize_rows_fp8_ref(x2)), x2.dtype)
 
     def norm_forward(self, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         "(self(norm(x + residual)), x + residual); x itself is the new residual without one. One kernel: `add_rmsnorm_fp8`."
@@ -1242,13 +1254,12 @@ class Fp8Linear(QuantLinear):
             y, residual = (norm(x), x) if residual is None else norm(x, residual)
             return self(y), residual
         (xq, x_scales), residual = add_rmsnorm_fp8(x, residual, norm.weight, norm.eps)
-        return fp8_scaled_mm(xq, x_scales, self.qweight, self.scales, self.bias, x.dtype), residual
+        return self.product(xq, x_scales, x.dtype), residual
 
     def gate_up_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         "self(silu(gate) * up) of `gate_up` [T, 2K]. One kernel: `silu_mul_fp8`."
         if not self.use_kernels(gate_up): return self(silu_mul_ref(gate_up))
-        xq, x_scales = silu_mul_fp8(gate_up)
-        return fp8_scaled_mm(xq, x_scales, self.qweight, self.scales, self.bias, gate_up.dtype)
+        return self.product(*silu_mul_fp8(gate_up), gate_up.dtype)
 
 # %% ../nbs/08_quant.ipynb #b944a3c5
 def int4_linear(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,

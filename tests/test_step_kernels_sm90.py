@@ -56,13 +56,14 @@ ptx = compile_ptx(F.copy_rows_kernel, {"dst_ptr": "*i64", "dst_rows_ptr": "*i64"
                                        "src_rows_ptr": "*i64"}, {"n": "i32"}, dict(BLOCK=256))
 out["copy_rows"] = {"st": ptx.count("st.global")}
 gptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "res_ptr", "new_res_ptr", "norm_w_ptr")}
-gptrs.update(part_ptr="*fp32", counter_ptr="*i32")
+gptrs.update(part_ptr="*fp32", counter_ptr="*i32", scale_ptr="*fp32", x_scale_ptr="*fp32")
 gints = {"N": "i32", "K": "i32", "tiles_per_split": "i32", "stride_wn": "i32", "eps": "fp32"}
 for norm in (False, True):          # the 0.5B QKV (one 1024-wide K tile) and gate/up (four of 256) projections
     for layer, blocks, warps in (("qkv", dict(BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=True), 4),
                                  ("gate_up", dict(BLOCK_N=16, BLOCK_K=256, HAS_BIAS=False), 8)):
         ptx = compile_ptx(F.gemv_kernel, gptrs, gints, dict(ACT=False, SPLIT=False, EVEN=False, NORM=norm,
-                                                            HAS_RESIDUAL=norm, ROW=1024, PDL=True, **blocks), warps)
+                                                            HAS_RESIDUAL=norm, ROW=1024, PDL=True, HAS_SCALE=False,
+                                                            **blocks), warps)
         out[f"gemv {layer} norm={norm}"] = {"st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
                                             "sqrt": ptx.count("sqrt.")}
 for kept in (False, True):               # dense table rows, or the changes of tables kept on the device

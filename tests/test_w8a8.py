@@ -255,14 +255,44 @@ print("norm", ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
 act = {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_in": "i32", "stride_out": "i32", "INTER": "i32"}
 ptx = build(Q.silu_mul_fp8_kernel, act, {"BLOCK": 2048})
 print("act", ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
+import nanoserve.fused as F
+one = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+       "counter_ptr": "*i32", "res_ptr": "*fp8e4nv", "new_res_ptr": "*fp8e4nv", "norm_w_ptr": "*fp8e4nv",
+       "scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "N": "i32", "K": "i32", "tiles_per_split": "i32",
+       "stride_wn": "i32", "eps": "fp32"}
+ptx = build(F.gemv_kernel, one, {"HAS_BIAS": False, "ACT": False, "BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT": True,
+                                 "EVEN": True, "NORM": False, "HAS_RESIDUAL": False, "ROW": 1, "PDL": True, "HAS_SCALE": True})
+print("gemv", ptx.count("cvt.rn.f16x2.e4m3x2"), ptx.count("griddepcontrol.wait"))
 """
 
 
 def test_the_fp8_kernels_compile_for_hopper():
     """The row quantizer (one pass and two), the fused norm and the fused activation, compiled for sm_90 on the CPU
     in bf16 as a GPU launches them (the interpreter accepts Python that Triton's compiler does not): each rounds to
-    e4m3 with the hardware's saturating conversion and divides by IEEE rules."""
+    e4m3 with the hardware's saturating conversion and divides by IEEE rules; and the one-row GEMV over e4m3 weights
+    and input, which widens them in pairs."""
     from helpers import compiled_run
     out = {tuple(line.split()[:-2]): tuple(map(int, line.split()[-2:])) for line in compiled_run(FP8_COMPILE).splitlines()}
-    assert set(out) == {("rows", "True"), ("rows", "False"), ("norm",), ("act",)}, out
-    assert all(cvt > 0 and div > 0 for cvt, div in out.values()), out
+    assert set(out) == {("rows", "True"), ("rows", "False"), ("norm",), ("act",), ("gemv",)}, out
+    assert all(cvt > 0 and div > 0 for cvt, div in out.values()), out      # gemv: e4m3 widened in pairs, one wait
+
+
+def test_one_row_takes_the_gemv_and_computes_the_same_products(monkeypatch):
+    "At one row an fp8 layer's product is the one-row GEMV over e4m3 weights and input: the reference's values."
+    import nanoserve.quant as Q
+    from nanoserve.model import RMSNorm
+    g = torch.Generator().manual_seed(9)
+    layer = QuantLinear.from_linear(nn.Linear(256, 96, bias=True), "fp8")
+    layer.kernels = True
+    calls = []
+    real = Q.gemv
+    monkeypatch.setattr(Q, "gemv", lambda *a, **k: (calls.append(k["scales"] is layer.scales), real(*a, **k))[1])
+    x = torch.randn(1, 256, generator=g)
+    torch.testing.assert_close(layer(x), fp8_matmul_ref(x, layer.qweight, layer.scales, layer.bias), rtol=1e-5, atol=1e-5)
+    from nanoserve.fused import add_rmsnorm
+    norm = RMSNorm(256)
+    (out, res), (normed, want_res) = layer.norm_forward(norm, x, x * 0.5), add_rmsnorm(x, x * 0.5, norm.weight, norm.eps)
+    want = layer.product(*quantize_rows_fp8(normed), torch.float32)         # the same (interpreter's) e4m3 rounding
+    assert torch.equal(res, want_res) and torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert layer(torch.randn(3, 256, generator=g)).shape == (3, 96)                          # more rows: scaled_mm
+    assert calls == [True, True, True]                        # layer(x), norm_forward, the check's own product
