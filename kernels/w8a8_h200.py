@@ -40,12 +40,17 @@ NAME = "w8a8_h200.json"
 SEEDS = itertools.count(1000)                  # a fresh prompt every call: no prefix-cache hit
 
 
+def layers(args, device, dtype):
+    "Each layer of the shape: (name, N, K, bf16 weight, bias or None, e4m3 weight, its scales)."
+    for name, N, K, bias in layer_shapes(args.shape, is_smoke(args)):
+        w, b = random_linear(N, K, bias, device, dtype)
+        yield (name, N, K, w, b) + quantize_fp8(w)
+
+
 def check(res, args, device, dtype):
     "The row quantizer and the product against their references, per layer."
     rows = []
-    for name, N, K, bias in layer_shapes(args.shape, is_smoke(args)):
-        w, b = random_linear(N, K, bias, device, dtype)
-        q, s = quantize_fp8(w)
+    for name, N, K, w, b, q, s in layers(args, device, dtype):
         for T in ((1, 8) if is_smoke(args) else (1, 64, args.chunk)):
             x = torch.randn(T, K, device=device, dtype=dtype)
             (xq, xs), (rq, rs) = quantize_rows_fp8(x), quantize_rows_fp8_ref(x)
@@ -92,9 +97,7 @@ def fused_checks(args, device, dtype) -> list:
 def gemm(res, args, device, dtype):
     "µs a call and TFLOP/s of each layer at T rows: bf16, fp8 (quantizer + product), the product alone, the quantizer."
     rows = []
-    for name, N, K, bias in layer_shapes(args.shape, is_smoke(args)):
-        w, b = random_linear(N, K, bias, device, dtype)
-        q, s = quantize_fp8(w)
+    for name, N, K, w, b, q, s in layers(args, device, dtype):
         cb, cf = operand_copies((w, b), 2 * N * K), operand_copies((q, s, b), N * K)
         for T in ((1, 8) if is_smoke(args) else (1, 16, 64, 256, 1024, 4096)):
             x = torch.randn(T, K, device=device, dtype=dtype)

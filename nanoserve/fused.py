@@ -20,9 +20,9 @@ from .runtime import (
     pdl_launch_next, pdl_wait, split_counters, split_tiles, sum_last)
 
 # %% auto #0
-__all__ = ['add_rmsnorm_ref', 'add_rmsnorm_kernel', 'add_rmsnorm', 'silu_mul_ref', 'silu_mul_kernel', 'silu_mul', 'gemv_ref',
-           'gemv_kernel', 'gemv_table', 'gemv_rule', 'gemv_config', 'check_gemv_args', 'gemv', 'argmax_rows_kernel',
-           'argmax_rows', 'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
+__all__ = ['add_rmsnorm_ref', 'add_rmsnorm_row', 'add_rmsnorm_kernel', 'add_rmsnorm', 'silu_mul_ref', 'silu_mul_kernel',
+           'silu_mul', 'gemv_ref', 'gemv_kernel', 'gemv_table', 'gemv_rule', 'gemv_config', 'check_gemv_args', 'gemv',
+           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
 
 # %% ../nbs/07_fused.ipynb #1c9f4e27
 def add_rmsnorm_ref(x, residual, weight, eps):
@@ -42,6 +42,21 @@ def _normed(x, r, nw, rstd, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def add_rmsnorm_row(x_ptr, residual_ptr, new_residual_ptr, w, row, cols, mask, eps, stride_x, stride_r, stride_nr,
+                    HIDDEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
+    """Row `row` of x (+ the residual, the sum stored as the new residual) normalised and times the loaded norm
+    weight `w`, in fp32, rounded to `DTYPE` where the torch path rounds."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(new_residual_ptr.dtype.element_ty)          # rounded like the torch add
+        tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.reduce(x * x, 0, add_fn) / HIDDEN
+    return _normed(x, x, w, 1.0 / tl.sqrt(var + eps), DTYPE, False)   # the sum is in x already
+
+
+@triton.jit
 def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps, stride_x, stride_r,
                        stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        PDL: tl.constexpr = False):
@@ -51,14 +66,8 @@ def add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_pt
     mask = cols < HIDDEN
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)       # a weight: before the wait
     pdl_wait(PDL)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(new_residual_ptr.dtype.element_ty)          # rounded like the torch add
-        tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
-        x = s.to(tl.float32)
-    var = tl.reduce(x * x, 0, add_fn) / HIDDEN
-    normed = _normed(x, x, w, 1.0 / tl.sqrt(var + eps), out_ptr.dtype.element_ty, False)   # the sum is in x already
+    normed = add_rmsnorm_row(x_ptr, residual_ptr, new_residual_ptr, w, row, cols, mask, eps, stride_x, stride_r,
+                             stride_nr, HIDDEN, HAS_RESIDUAL, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -23,10 +23,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .fused import _normed, gemv, silu_mul_ref
+from .fused import add_rmsnorm_row, gemv, silu_mul_ref
 from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_state_dict,
                              model_from_state_dict, read_config_json)
-from .runtime import (INTERPRET, add_fn, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
+from .runtime import (INTERPRET, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
                                split_counters, split_tiles, sum_last)
 
 METHODS = ("int8", "int4")              # weight-only: dequantized in registers by the Triton kernels
@@ -277,14 +277,8 @@ def add_rmsnorm_fp8_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, 
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(new_residual_ptr.dtype.element_ty)          # rounded like the torch add
-        tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
-        x = s.to(tl.float32)
-    var = tl.reduce(x * x, 0, add_fn) / HIDDEN
-    normed = _normed(x, x, w, 1.0 / tl.sqrt(var + eps), x_ptr.dtype.element_ty, False)   # as add_rmsnorm rounds it
+    normed = add_rmsnorm_row(x_ptr, residual_ptr, new_residual_ptr, w, row, cols, mask, eps, stride_x, stride_r,
+                             stride_nr, HIDDEN, HAS_RESIDUAL, x_ptr.dtype.element_ty)   # as add_rmsnorm rounds it
     scale = _row_scale_fp8(tl.max(tl.abs(normed), 0))
     _store_fp8(out_ptr + row * stride_o + cols, normed, scale, mask)
     tl.store(scale_ptr + row, scale)

@@ -252,6 +252,10 @@ norm = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_p
         "new_residual_ptr": "*bf16", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_nr": "i32"}
 ptx = build(Q.add_rmsnorm_fp8_kernel, norm, {"HIDDEN": 3584, "BLOCK": 4096, "HAS_RESIDUAL": True})
 print("norm", ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
+import nanoserve.fused as F
+plain = dict(norm, out_ptr="*bf16")                  # the bf16 kernel shares its row with the fp8 one
+ptx = build(F.add_rmsnorm_kernel, plain, {"HIDDEN": 3584, "BLOCK": 4096, "HAS_RESIDUAL": True, "PDL": True})
+print("bf16norm", ptx.count("st.global"), ptx.count("griddepcontrol.wait"))
 act = {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_in": "i32", "stride_out": "i32", "INTER": "i32"}
 ptx = build(Q.silu_mul_fp8_kernel, act, {"BLOCK": 2048})
 print("act", ptx.count("cvt.rn.satfinite.e4m3x2.f32"), ptx.count("div.rn.f32"))
@@ -273,7 +277,7 @@ def test_the_fp8_kernels_compile_for_hopper():
     and input, which widens them in pairs."""
     from helpers import compiled_run
     out = {tuple(line.split()[:-2]): tuple(map(int, line.split()[-2:])) for line in compiled_run(FP8_COMPILE).splitlines()}
-    assert set(out) == {("rows", "True"), ("rows", "False"), ("norm",), ("act",), ("gemv",)}, out
+    assert set(out) == {("rows", "True"), ("rows", "False"), ("norm",), ("act",), ("gemv",), ("bf16norm",)}, out
     assert all(cvt > 0 and div > 0 for cvt, div in out.values()), out      # gemv: e4m3 widened in pairs, one wait
 
 
