@@ -1166,8 +1166,8 @@ def quantize_weight(w: torch.Tensor, method: str, group_size: int = 128, name: s
 
 # %% ../nbs/08_quant.ipynb #90439c28
 class QuantLinear(nn.Module):
-    """A linear layer with INT8 (per channel) or INT4 (group-wise) weights, computing in the input's dtype, or fp8
-    weights (per channel) whose products take fp8 activations (`fp8_matmul`)."""
+    """A linear layer with INT8 (per channel) or INT4 (group-wise) weights; computes in the input's dtype. (fp8, whose
+    products take fp8 activations too: `Fp8Linear`, made by `from_linear`.)"""
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  bias: torch.Tensor | None, in_features: int, out_features: int, method: str,
                  group_size: int | None = None, tuned: Mapping | None = None, input_perm: torch.Tensor | None = None):
@@ -1207,10 +1207,8 @@ class QuantLinear(nn.Module):
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         "x2 [T, K] -> [T, N] by the kernels (`use_kernels`) or the reference."
-        kernels = self.use_kernels(x2)
-        if self.method == "fp8": return (fp8_matmul if kernels else fp8_matmul_ref)(x2, self.qweight, self.scales, self.bias)
         args = (self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size)
-        return quant_matmul(x2, *args, pdl=self.pdl, tuned=self.tuned) if kernels else quant_matmul_ref(x2, *args)
+        return quant_matmul(x2, *args, pdl=self.pdl, tuned=self.tuned) if self.use_kernels(x2) else quant_matmul_ref(x2, *args)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         "The full-precision weight [N, K] this layer stands for (materialised: for checks, not for serving)."
