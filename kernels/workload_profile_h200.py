@@ -1,0 +1,143 @@
+"""Where nano-vllm's workload spends the GPU's time, over the whole run, against what the workload must read.
+
+    PYTHONPATH=. python kernels/workload_profile_h200.py --out $OUT [--shapes qwen3-0.6B,0.5B]
+
+The benchmark's physical limit says how fast the workload could run (weights each step, every token's K/V reads,
+prefill FLOPs); the step profiles of `diet_h200.py` say where one step of one width goes. Neither says where the
+run's time goes between them: steps of every width from 256 rows down to one, contexts from 100 to 2,048 tokens,
+prefill and mixed steps. This script runs the workload (256 requests, prompt and output uniform in 100..1024, greedy,
+EOS ignored) on random weights of each shape, in the tutorials' order:
+
+1. check: the workload's greedy tokens from the timed run and the profiled run are the same (the profiler changes
+   nothing it measures);
+2. time: one cold run (compiles, captures), then two timed runs with the step ledger (the prefix cache emptied
+   before each), >15% apart flagged; the device's copy bandwidth and matmul rate measured here for the limit;
+3. profile: one more run under the profiler, device kernels only, the whole run. Each kernel is put in a class
+   (decode attention, prefill attention, cuBLAS GEMMs, our GEMVs, norms, SiLU, sampling, other) and each step
+   (kernels between two `load_step_kernel`s) matched with its ledger row (its width in tokens, decode-only or not),
+   so every class's time is known by step width. Decode attention's time is set against the K/V bytes the workload
+   reads (its bandwidth over the run), the GEMMs' against the weight bytes a step.
+
+Writes workload_profile_h200.json. `--smoke`: the built-in tiny model, 8 short requests, on the CPU (no kernels:
+the profile part only checks the bookkeeping).
+"""
+import sys, time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import (LLM, StepLedger, checkpoint, copy_bandwidth_GBps, device_or_skip, disagree, is_smoke,  # noqa: E402
+                 model_config, nanovllm_requests, parser, profile_run, run_parts, saver, sync, warm)
+
+from nanoserve.measure import event_record, is_device_kernel, matmul_TFLOPs, workload_limit   # noqa: E402
+
+CLASSES = (("decode_attention", ("decode_attention",)), ("prefill_attention", ("prefill_attention",)),
+           ("gemv", ("gemv_kernel",)), ("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "sm90_xmma")),
+           ("norm", ("rmsnorm",)), ("silu", ("silu",)), ("sampling", ("argmax", "reduce_kernel", "sample", "gumbel")),
+           ("rope", ("rope",)))
+WIDTHS = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 20))   # step width classes, tokens
+
+
+def kernel_class(name: str) -> str:
+    "The class of a device kernel by its name (first match in CLASSES), else 'other'."
+    low = name.lower()
+    return next((c for c, keys in CLASSES if any(k in low for k in keys)), "other")
+
+
+def width_class(num_tokens: int) -> str:
+    return next(f"{a}-{b}" if b < 1 << 20 else f">{a - 1}" for a, b in WIDTHS if a <= num_tokens <= b)
+
+
+def one_run(llm, reqs, sp, ledger: bool = True):
+    "One `generate` of the workload from an empty prefix cache: (seconds, tokens generated, token hash, ledger rows)."
+    llm.reset_prefix_cache()
+    llm.ledger = StepLedger() if ledger else None
+    sync(llm.device); t0 = time.perf_counter()
+    outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
+    sync(llm.device); dt = time.perf_counter() - t0
+    rows, llm.ledger = (llm.ledger.rows if llm.ledger else []), None
+    toks = [tuple(o.token_ids) for o in outs]
+    return dt, sum(map(len, toks)), hash(tuple(toks)), rows
+
+
+def steps_of(kernels: list[dict]) -> list[list[dict]]:
+    "Kernels in start order, cut into steps at each `load_step_kernel` (every step's first kernel of ours)."
+    steps = []
+    for k in kernels:
+        if "load_step_kernel" in k["name"] or not steps: steps.append([])
+        steps[-1].append(k)
+    return steps
+
+
+def by_width(steps, rows) -> dict:
+    "Per width class: steps, device-busy us per class summed over its steps, and the steps' spans (first to last kernel)."
+    out = defaultdict(lambda: {"steps": 0, "span_us": 0.0, "us": defaultdict(float), "decode_only": 0})
+    for ks, row in zip(steps, rows):
+        w = out[width_class(row["num_tokens"])]
+        w["steps"] += 1; w["decode_only"] += bool(row["decode_only"])
+        w["span_us"] += ks[-1]["end_us"] - ks[0]["start_us"]
+        for k in ks: w["us"][kernel_class(k["name"])] += k["end_us"] - k["start_us"]
+    return {k: {**v, "us": dict(v["us"])} for k, v in sorted(out.items())}
+
+
+def profile_shape(shape, res, args):
+    model_dir, name = checkpoint(shape, args)
+    smoke = is_smoke(args)
+    llm = LLM(model_dir, dtype="float32" if smoke else "bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
+              **({"num_kv_blocks": 512} if smoke else {}))
+    reqs, sp = nanovllm_requests(llm.config.vocab_size, llm.max_model_len, smoke=smoke)
+    cold = one_run(llm, reqs, sp, ledger=False)[0]
+    timed = []
+    for _ in range(2):
+        warm(llm.device, 0.0 if smoke else 2.0)
+        timed.append(one_run(llm, reqs, sp))
+    secs = [t[0] for t in timed]
+    n = timed[0][1]
+    warm(llm.device, 0.0 if smoke else 2.0)
+    llm.reset_prefix_cache()
+    llm.ledger = StepLedger()
+    with profile_run(llm.device, host_ops=smoke) as run:   # device kernels only (a CPU run has none)
+        outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
+    rows, llm.ledger = llm.ledger.rows, None
+    same = hash(tuple(tuple(o.token_ids) for o in outs)) == timed[0][2] == timed[1][2]
+    assert same, "the profiled run's tokens differ from the timed runs'"
+    kernels = sorted((event_record(e) for e in run.events if is_device_kernel(e)), key=lambda r: r["start_us"])
+    steps = steps_of(kernels)
+    totals = defaultdict(float)
+    for k in kernels: totals[kernel_class(k["name"])] += k["end_us"] - k["start_us"]
+    top = defaultdict(float)
+    for k in kernels: top[k["name"][:80]] += k["end_us"] - k["start_us"]
+    cfg = model_config(model_dir)
+    bw, bw_flag = copy_bandwidth_GBps(1 << 30 if smoke else 4 << 30, llm.device)
+    mm, mm_flag = matmul_TFLOPs(512 if smoke else 8192, llm.device)
+    limit = workload_limit(cfg, [len(r.prompt_token_ids) for r in reqs], [r.max_tokens for r in reqs], 256, bw, mm)
+    row = {"shape": name, "output_tokens": n, "cold_s": cold, "seconds": secs,
+           "output_tokens_per_s": [n / s for s in secs], "disagree": disagree(secs[0], secs[1]),
+           "profiled_wall_s": run.wall_s, "tokens_same": same, "num_steps": len(rows), "num_step_kernels": len(steps),
+           "steps_matched": len(steps) == len(rows), "kernel_us_by_class": dict(totals),
+           "top_kernels_us": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
+           "by_width": by_width(steps, rows) if len(steps) == len(rows) else None,
+           "ledger_gpu_s": sum(r.get("gpu", 0.0) for r in rows), "limit": limit,
+           "copy_bandwidth_GBps": bw, "matmul_TFLOPs": mm, "rates_disagree": bw_flag or mm_flag}
+    att = totals.get("decode_attention", 0.0) / 1e6
+    row["decode_attention_TBps"] = limit["kv_bytes"] / att / 1e12 if att else None
+    row["decode_attention_vs_kv_limit"] = att / (limit["kv_bytes"] / (bw * 1e9)) if att else None
+    res.setdefault("shapes", {})[name] = row
+    print(name, {k: row[k] for k in ("output_tokens_per_s", "disagree", "kernel_us_by_class", "decode_attention_TBps",
+                                     "steps_matched")}, flush=True)
+    del llm
+
+
+def main():
+    ap = parser(__doc__, parts="profile")
+    ap.add_argument("--shapes", default="qwen3-0.6B,0.5B")
+    args = ap.parse_args()
+    device_or_skip(args)
+    res = {"workload": "256 requests, prompt and output uniform 100..1024, greedy, EOS ignored, seed 0"}
+    shapes = ["tiny"] if is_smoke(args) else args.shapes.split(",")
+    parts = {"profile": lambda: [profile_shape(s, res, args) for s in shapes]}
+    run_parts(parts, args.parts, saver("workload_profile_h200.json", res, args), res.setdefault("part_seconds", {}))
+
+
+if __name__ == "__main__":
+    main()
