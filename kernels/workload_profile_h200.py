@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, StepLedger, checkpoint, copy_bandwidth_GBps, device_or_skip, disagree, is_smoke,  # noqa: E402
                  model_config, nanovllm_requests, parser, profile_run, run_parts, saver, sync, warm)
 
-from nanoserve.measure import event_record, is_device_kernel, matmul_TFLOPs, workload_limit   # noqa: E402
+from nanoserve.measure import (event_record, is_device_kernel, kv_bytes_per_token, matmul_TFLOPs,   # noqa: E402
+                               workload_limit)
 
 CLASSES = (("decode_attention", ("decode_attention",)), ("prefill_attention", ("prefill_attention",)),
            ("gemv", ("gemv_kernel",)), ("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "sm90_xmma")),
@@ -60,6 +61,20 @@ def one_run(llm, reqs, sp, ledger: bool = True):
     return dt, sum(map(len, toks)), hash(tuple(toks)), rows
 
 
+def record_contexts(llm) -> dict[int, int]:
+    """Each scheduled step's decode-row context tokens (the K/V positions its decode attention reads) by step id:
+    the scheduler's `schedule` wrapped for this run (the dict it returns is filled as steps are scheduled)."""
+    sched, seen = llm.scheduler, {}
+    schedule = sched.schedule
+
+    def recording(*a, **kw):
+        step = schedule(*a, **kw)
+        seen[step.step_id] = sum(step.decodes.context_lens()) if step.decodes else 0
+        return step
+    sched.schedule = recording
+    return seen
+
+
 def steps_of(kernels: list[dict]) -> list[list[dict]]:
     "Kernels in start order, cut into steps at each `load_step_kernel` (every step's first kernel of ours)."
     steps = []
@@ -71,10 +86,11 @@ def steps_of(kernels: list[dict]) -> list[list[dict]]:
 
 def by_width(steps, rows) -> dict:
     "Per width class: steps, device-busy us per class summed over its steps, and the steps' spans (first to last kernel)."
-    out = defaultdict(lambda: {"steps": 0, "span_us": 0.0, "us": defaultdict(float), "decode_only": 0})
+    out = defaultdict(lambda: {"steps": 0, "span_us": 0.0, "us": defaultdict(float), "decode_only": 0,
+                               "kv_tokens": 0})
     for ks, row in zip(steps, rows):
         w = out[width_class(row["num_tokens"])]
-        w["steps"] += 1; w["decode_only"] += bool(row["decode_only"])
+        w["steps"] += 1; w["decode_only"] += bool(row["decode_only"]); w["kv_tokens"] += row.get("kv_tokens", 0)
         w["span_us"] += ks[-1]["end_us"] - ks[0]["start_us"]
         for k in ks: w["us"][kernel_class(k["name"])] += k["end_us"] - k["start_us"]
     return {k: {**v, "us": dict(v["us"])} for k, v in sorted(out.items())}
@@ -96,9 +112,12 @@ def profile_shape(shape, res, args):
     warm(llm.device, 0.0 if smoke else 2.0)
     llm.reset_prefix_cache()
     llm.ledger = StepLedger()
+    contexts = record_contexts(llm)
     with profile_run(llm.device, host_ops=smoke) as run:   # device kernels only (a CPU run has none)
         outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
     rows, llm.ledger = llm.ledger.rows, None
+    del llm.scheduler.schedule                              # the class's own again
+    for row in rows: row["kv_tokens"] = contexts.get(row["step"], 0)
     same = hash(tuple(tuple(o.token_ids) for o in outs)) == timed[0][2] == timed[1][2]
     assert same, "the profiled run's tokens differ from the timed runs'"
     kernels = sorted((event_record(e) for e in run.events if is_device_kernel(e)), key=lambda r: r["start_us"])
@@ -122,6 +141,10 @@ def profile_shape(shape, res, args):
     att = totals.get("decode_attention", 0.0) / 1e6
     row["decode_attention_TBps"] = limit["kv_bytes"] / att / 1e12 if att else None
     row["decode_attention_vs_kv_limit"] = att / (limit["kv_bytes"] / (bw * 1e9)) if att else None
+    kv_token_bytes = kv_bytes_per_token(cfg)
+    for w in (row["by_width"] or {}).values():            # each width's decode attention against its K/V bytes
+        a = w["us"].get("decode_attention", 0.0)
+        w["decode_attention_TBps"] = w["kv_tokens"] * kv_token_bytes / (a * 1e-6) / 1e12 if a else None
     res.setdefault("shapes", {})[name] = row
     print(name, {k: row[k] for k in ("output_tokens_per_s", "disagree", "kernel_us_by_class", "decode_attention_TBps",
                                      "steps_matched")}, flush=True)
