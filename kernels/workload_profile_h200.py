@@ -15,7 +15,8 @@ EOS ignored) on random weights of each shape, in the tutorials' order:
 3. profile: one more run under the profiler, device kernels only, the whole run. Each kernel is put in a class
    (decode attention, prefill attention, cuBLAS GEMMs, our GEMVs, norms, SiLU, sampling, other) and each step
    (kernels between two `load_step_kernel`s) matched with its ledger row (its width in tokens, decode-only or not),
-   so every class's time is known by step width. Decode attention's time is set against the K/V bytes the workload
+   so every class's time is known by step width, with the device's idle time inside steps (between a step's
+   kernels) and between steps. Decode attention's time is set against the K/V bytes the workload
    reads (its bandwidth over the run), the GEMMs' against the weight bytes a step.
 
 Writes workload_profile_h200.json. `--smoke`: the built-in tiny model, 8 short requests, on the CPU (no kernels:
@@ -84,6 +85,15 @@ def steps_of(kernels: list[dict]) -> list[list[dict]]:
     return steps
 
 
+def idle_us(kernels: list[dict]) -> float:
+    "Time inside [first start, last end] of `kernels` (in start order) when none of them ran: the bubbles."
+    idle, end = 0.0, kernels[0]["end_us"]
+    for k in kernels[1:]:
+        idle += max(0.0, k["start_us"] - end)
+        end = max(end, k["end_us"])
+    return idle
+
+
 def by_width(steps, rows) -> dict:
     "Per width class: steps, device-busy us per class summed over its steps, and the steps' spans (first to last kernel)."
     out = defaultdict(lambda: {"steps": 0, "span_us": 0.0, "us": defaultdict(float), "decode_only": 0,
@@ -92,6 +102,7 @@ def by_width(steps, rows) -> dict:
         w = out[width_class(row["num_tokens"])]
         w["steps"] += 1; w["decode_only"] += bool(row["decode_only"]); w["kv_tokens"] += row.get("kv_tokens", 0)
         w["span_us"] += ks[-1]["end_us"] - ks[0]["start_us"]
+        w["idle_us"] = w.get("idle_us", 0.0) + idle_us(ks)
         for k in ks: w["us"][kernel_class(k["name"])] += k["end_us"] - k["start_us"]
     return {k: {**v, "us": dict(v["us"])} for k, v in sorted(out.items())}
 
@@ -134,6 +145,10 @@ def profile_shape(shape, res, args):
            "output_tokens_per_s": [n / s for s in secs], "disagree": disagree(secs[0], secs[1]),
            "profiled_wall_s": run.wall_s, "tokens_same": same, "num_steps": len(rows), "num_step_kernels": len(steps),
            "steps_matched": len(steps) == len(rows), "kernel_us_by_class": dict(totals),
+           "device_span_us": kernels[-1]["end_us"] - kernels[0]["start_us"] if kernels else None,
+           "idle_in_steps_us": sum(idle_us(ks) for ks in steps) if kernels else None,
+           "idle_between_steps_us": sum(max(0.0, b[0]["start_us"] - max(k["end_us"] for k in a))
+                                        for a, b in zip(steps, steps[1:])) if kernels else None,
            "top_kernels_us": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
            "by_width": by_width(steps, rows) if len(steps) == len(rows) else None,
            "ledger_gpu_s": sum(r.get("gpu", 0.0) for r in rows), "limit": limit,
