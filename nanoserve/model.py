@@ -20,8 +20,8 @@ from torch import nn
 __all__ = ['FAMILIES', 'ROPE_TYPES', 'TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields', 'read_config_json',
            'RopeScaling', 'ModelConfig', 'max_model_len_for', 'RMSNorm', 'rope_inv_freq', 'RotaryEmbedding',
            'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'write_kv', 'decode_attention_ref',
-           'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels', 'linear', 'rms_norm',
-           'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
+           'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels', 'takes_input', 'linear',
+           'rms_norm', 'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
            'Qwen2ForCausalLM', 'load_state_dict', 'model_from_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
@@ -381,6 +381,13 @@ def _gemv_fits(layer: nn.Module, x: torch.Tensor) -> bool:
     return type(layer) is nn.Linear and x.shape[0] == 1 and x.is_cuda
 
 
+def takes_input(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer` makes its own input from `x`, the norm's input or the gate/up output (the quantization
+    chapter's layers say so through `fuses_input(x)`; a plain `nn.Linear` never does)."""
+    fuses = getattr(layer, "fuses_input", None)
+    return fuses is not None and fuses(x)
+
+
 def linear(layer: nn.Module, x: torch.Tensor, gemv: Callable | None = None, pdl: bool = False) -> torch.Tensor:
     "`layer(x)`, or the one-row kernel `gemv` where it is given and fits (`pdl`: launched dependently)."
     if gemv is not None and _gemv_fits(layer, x): return gemv(x, layer.weight, layer.bias, pdl=pdl)
@@ -406,9 +413,9 @@ def gemv_takes_norm(kernels: ModelKernels, gemv: Callable | None) -> bool:
 def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                 gemv: Callable | None, kernels: ModelKernels) -> tuple[torch.Tensor, torch.Tensor]:
     """`(layer(norm(x + residual)), x + residual)` (no residual: `x` is the new one), the projection by `gemv` where
-    it fits; with `gemv_takes_norm`, one `gemv` that also normalises its own input. A layer that `fuses_input` (the
-    quantization chapter's fp8 layer) normalises it itself, when the table's norm is a kernel."""
-    if getattr(layer, "fuses_input", False) and kernels.add_rmsnorm is not None:
+    it fits; with `gemv_takes_norm`, one `gemv` that also normalises its own input. A layer that `takes_input` (the
+    quantization chapter's) normalises it itself, when the table's norm is a kernel."""
+    if kernels.add_rmsnorm is not None and takes_input(layer, x):
         return layer.norm_forward(norm, x, residual)
     if gemv_takes_norm(kernels, gemv) and _gemv_fits(layer, x):
         return gemv(x, layer.weight, layer.bias, pdl=kernels.pdl, norm=(norm.weight, norm.eps), residual=residual)
@@ -468,7 +475,7 @@ class Qwen2MLP(nn.Module):
         if kernels.silu_mul is None:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
-        if getattr(self.down_proj, "fuses_input", False):          # fp8 (quantization chapter): SiLU x up inside
+        if takes_input(self.down_proj, gate_up):                   # quantized (that chapter): SiLU x up inside
             return self.down_proj.gate_up_forward(gate_up)
         if kernels.gemv is not None and _gemv_fits(self.down_proj, gate_up):
             return kernels.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=kernels.pdl)
@@ -508,11 +515,12 @@ class Qwen2ForCausalLM(nn.Module):
 
     def set_kernels(self, kernels: ModelKernels) -> None:
         """Compute the forward pass with `kernels`. A submodule with its own `pdl` switch (a quantized layer, in the
-        quantization chapter) follows the table's `pdl`."""
+        quantization chapter) follows the table's `pdl`, and its `fuse_input` the table's `norm_in_gemv`."""
         if not isinstance(kernels, ModelKernels): raise TypeError(f"set_kernels takes a ModelKernels, got {kernels!r}")
         self.kernels = kernels
         for m in self.modules():
             if hasattr(m, "pdl"): m.pdl = kernels.pdl
+            if hasattr(m, "fuse_input"): m.fuse_input = kernels.norm_in_gemv
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         "input_ids, positions [T]; kv_caches[i] = (k_cache, v_cache) of layer i -> hidden states [T, hidden]."

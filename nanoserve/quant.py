@@ -42,9 +42,10 @@ __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS
            'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
            'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
            'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
-           'quantize_weight', 'QuantLinear', 'Fp8Linear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
-           'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32',
-           'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
+           'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'fuses_input', 'norm_forward',
+           'gate_up_forward', 'Fp8Linear', 'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
+           'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32',
+           'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
            'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense',
            'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize',
            'write_fp8', 'logit_quality', 'quantized_linear_bytes']
@@ -449,15 +450,98 @@ def _x_words(x_ptr, base, NW: tl.constexpr):
 
 # %% ../nbs/08_quant.ipynb #d7c59b40
 @triton.jit
-def _x_pairs(x_ptr, base, NW: tl.constexpr):
-    """The activation pairs of NW words, straight from x's bf16 bits (`_x_words`), regrouped into pair k = inputs
-    8 j + k and 8 j + k + 4 (the nibbles one mask picks together) -> four int32 [NW]."""
-    r0, r1, r2, r3 = _x_words(x_ptr, base, NW)
+def _regroup(r0, r1, r2, r3):
+    """`_x_words`' four pairs regrouped into pair k = inputs 8 j + k and 8 j + k + 4 (the nibbles one mask picks
+    together) -> four int32 [NW]."""
     p0 = (r0 & 0xFFFF) | (r2 << 16)                     # inputs 0, 4
     p1 = ((r0 >> 16) & 0xFFFF) | (r2 & -65536)          # inputs 1, 5
     p2 = (r1 & 0xFFFF) | (r3 << 16)                     # inputs 2, 6
     p3 = ((r1 >> 16) & 0xFFFF) | (r3 & -65536)          # inputs 3, 7
     return p0, p1, p2, p3
+
+
+@triton.jit
+def _x_pairs(x_ptr, base, NW: tl.constexpr):
+    "The activation pairs of NW words, straight from x's bf16 bits (`_x_words`), regrouped (`_regroup`)."
+    r0, r1, r2, r3 = _x_words(x_ptr, base, NW)
+    return _regroup(r0, r1, r2, r3)
+
+
+# %% ../nbs/08_quant.ipynb #5f1a7c02
+@triton.jit
+def _bf16_bits(v):
+    "fp32 values -> their bf16 bits (rounded to nearest even, as the GPU's cast) in the low half of int32s."
+    b = v.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def _bf16(v):
+    "fp32 values rounded to bf16 (`_bf16_bits`), as fp32."
+    return _bits_value(_bf16_bits(v))
+
+
+@triton.jit
+def _pair_values(w):
+    "int32 bf16 pairs -> (low, high) fp32 values."
+    return _bits_value(w & 0xFFFF), _bits_value((w >> 16) & 0xFFFF)
+
+
+# %% ../nbs/08_quant.ipynb #5f1a7c04
+@triton.jit
+def _in_pair(w, r, nw, u, rstd, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The int32 pair of inputs made from x's pair `w`: RMSNorm (IN = 1) of `w` (+ the residual's pair `r`) times
+    `rstd` and the weight's pair `nw`; or (IN = 2) silu(gate) x up, `w` the gate's pair and `u` the up's."""
+    lo, hi = _pair_values(w)
+    if IN == 1:
+        if HAS_RESIDUAL:
+            rlo, rhi = _pair_values(r)
+            lo, hi = _bf16(lo + rlo), _bf16(hi + rhi)
+        wlo, whi = _pair_values(nw)
+        lo, hi = _bf16(_bf16(lo * rstd) * wlo), _bf16(_bf16(hi * rstd) * whi)
+    else:
+        ulo, uhi = _pair_values(u)
+        lo = _bf16(_bf16(lo / (1.0 + tl.exp(-lo))) * ulo)
+        hi = _bf16(_bf16(hi / (1.0 + tl.exp(-hi))) * uhi)
+    return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
+
+
+@triton.jit
+def _in_words(x_ptr, base, NW: tl.constexpr, res_ptr, norm_w_ptr, rstd, half_k, IN: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr):
+    """`_x_words` of the product's inputs: x's own pairs (IN = 0), or pairs made as they load (`_in_pair`: the norm,
+    IN = 1, or SiLU x up, IN = 2, the up projection `half_k` words after the gate)."""
+    w0, w1, w2, w3 = _x_words(x_ptr, base, NW)
+    if IN == 0:
+        return w0, w1, w2, w3
+    elif IN == 1:
+        n0, n1, n2, n3 = _x_words(norm_w_ptr, base, NW)
+        r0, r1, r2, r3 = w0, w1, w2, w3
+        if HAS_RESIDUAL:
+            r0, r1, r2, r3 = _x_words(res_ptr, base, NW)
+        return (_in_pair(w0, r0, n0, w0, rstd, IN, HAS_RESIDUAL), _in_pair(w1, r1, n1, w1, rstd, IN, HAS_RESIDUAL),
+                _in_pair(w2, r2, n2, w2, rstd, IN, HAS_RESIDUAL), _in_pair(w3, r3, n3, w3, rstd, IN, HAS_RESIDUAL))
+    else:
+        u0, u1, u2, u3 = _x_words(x_ptr, base + half_k, NW)
+        return (_in_pair(w0, w0, w0, u0, rstd, IN, False), _in_pair(w1, w1, w1, u1, rstd, IN, False),
+                _in_pair(w2, w2, w2, u2, rstd, IN, False), _in_pair(w3, w3, w3, u3, rstd, IN, False))
+
+
+# %% ../nbs/08_quant.ipynb #5f1a7c05
+@triton.jit
+def _rstd_words(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW_W: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """1 / RMS of the whole bf16 row x (+ res, the sum rounded to bf16 and, where `store`, written to `new_res`),
+    read as `ROW_W` >= K / 2 int32 pairs at once (one round trip, as `gemv`'s `_row_rstd`)."""
+    j = tl.arange(0, ROW_W)
+    m = j < K // 2
+    lo, hi = _pair_values(tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + j, mask=m, other=0))
+    if HAS_RESIDUAL:
+        rlo, rhi = _pair_values(tl.load(res_ptr.to(tl.pointer_type(tl.int32)) + j, mask=m, other=0))
+        lo, hi = _bf16(lo + rlo), _bf16(hi + rhi)
+        tl.store(new_res_ptr.to(tl.pointer_type(tl.int32)) + j, _bf16_bits(lo) | (_bf16_bits(hi) << 16),
+                 mask=m & store)
+    return 1.0 / tl.sqrt(sum_last(tl.reshape(tl.join(lo * lo, hi * hi), (2 * ROW_W,)), 0) / K + eps)
+
 
 # %% ../nbs/08_quant.ipynb #c30f4fd1
 @triton.jit
@@ -655,17 +739,22 @@ def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, k0
 # %% ../nbs/08_quant.ipynb #3f8a2d10
 @triton.jit
 def _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
-    "INT8, one bf16 row: bytes in packed fp16 pairs (`INT8_PAIRS_ASM`), 8 a call -> [1, BLOCK_N] (before the scales)."
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr, res_ptr, new_res_ptr,
+                  norm_w_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_W: tl.constexpr):
+    """INT8, one bf16 row: bytes in packed fp16 pairs (`INT8_PAIRS_ASM`), 8 a call -> [1, BLOCK_N] (before the scales).
+    The inputs x's own (`IN` = 0) or made as they load (`_in_words`)."""
     NWB: tl.constexpr = BLOCK_K // 8                                      # word pairs a row a tile
     # a 2-D tile, contiguous along K: 16-byte loads (a [BLOCK_N, NWB, 2] pointer tile gives 8-byte loads, L1-bound)
     wp = qweight_ptr + offs_n[:, None] * stride_qn + tl.arange(0, 2 * NWB)[None, :]  # [BLOCK_N, 2 NWB] words
     w2 = tl.load(wp + t_begin * (BLOCK_K // 4))                           # the first tile: before the wait
     pdl_wait(PDL)
+    rstd = 1.0
+    if IN == 1: rstd = _rstd_words(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW_W, HAS_RESIDUAL)
     total = tl.full([BLOCK_N, NWB], 0.0, tl.float32)
     for t in range(t_begin, t_end):
         wa, wb = tl.split(tl.reshape(w2, (BLOCK_N, NWB, 2)))              # [BLOCK_N, NWB]: inputs 8 jj + 0-3, 4-7
-        r0, r1, r2, r3 = _x_words(x_ptr, t * (BLOCK_K // 2), NWB)         # [NWB]: inputs 8 jj + 0-1, ..., 6-7
+        r0, r1, r2, r3 = _in_words(x_ptr, t * (BLOCK_K // 2), NWB, res_ptr, norm_w_ptr, rstd, K // 2, IN,
+                                   HAS_RESIDUAL)                         # [NWB]: inputs 8 jj + 0-1, ..., 6-7
         total += _int8_pairs(wa, wb, _f16_pair(r0, EMULATE)[None, :], _f16_pair(r1, EMULATE)[None, :],
                              _f16_pair(r2, EMULATE)[None, :], _f16_pair(r3, EMULATE)[None, :], EMULATE)
         w2 = tl.load(wp + tl.minimum(t + 1, t_end - 1) * (BLOCK_K // 4))  # the next tile (the last one again)
@@ -692,22 +781,26 @@ def _int8_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_K: tl
 @triton.jit
 def _int4_pairs_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_begin, t_end, stride_sn, stride_qb,
                     stride_qn, stride_qg, stride_sg, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-                    ASM: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
-    "INT4 words, one bf16 row, a group a tile: two weights an instruction, the zero point in the pairs -> [1, BLOCK_N]."
+                    ASM: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr, res_ptr, new_res_ptr,
+                    norm_w_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_W: tl.constexpr):
+    """INT4 words, one bf16 row, a group a tile: two weights an instruction, the zero point in the pairs -> [1, BLOCK_N].
+    The inputs x's own (`IN` = 0) or made as they load (`_in_words`)."""
     NW: tl.constexpr = GROUP // 8
     j = tl.arange(0, NW)
     wp = qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None] + j[None, :]   # [BLOCK_N, NW]
     words = tl.load(wp + _qw_col(t_begin * NW, NW, TILE, stride_qg))      # the first tile: before the wait
     pdl_wait(PDL)
+    rstd = 1.0
+    if IN == 1: rstd = _rstd_words(x_ptr, res_ptr, new_res_ptr, K, eps, store, ROW_W, HAS_RESIDUAL)
     total = tl.full([BLOCK_N, NW], 0.0, tl.float32)
     for t in range(t_begin, t_end):
         s = tl.load(scales_ptr + offs_n * stride_sn + t * stride_sg)
         zb = tl.load(zeros_ptr + offs_n * stride_sn + t * stride_sg).to(tl.int32) | 0xC300   # -(128 + z)
         zp = (zb | (zb << 16))[:, None]                                   # [BLOCK_N, 1]: the pair
+        p0, p1, p2, p3 = _in_words(x_ptr, t * (GROUP // 2), NW, res_ptr, norm_w_ptr, rstd, K // 2, IN, HAS_RESIDUAL)
         if TILE == 0:                 # pair k: inputs 8 j + k and 8 j + k + 4, regrouped from x's words
-            p0, p1, p2, p3 = _x_pairs(x_ptr, t * (GROUP // 2), NW)        # [NW] each
-        else:                         # tile_int4's nibbles: pair k is inputs 8 j + 2 k, + 1: x's own words
-            p0, p1, p2, p3 = _x_words(x_ptr, t * (GROUP // 2), NW)
+            p0, p1, p2, p3 = _regroup(p0, p1, p2, p3)                     # [NW] each
+        # (tile_int4's nibbles: pair k is inputs 8 j + 2 k, + 1: x's own words)
         if EMULATE:
             dot = _pairs_emulated(words, p0[None, :], p1[None, :], p2[None, :], p3[None, :], zp)
         else:
@@ -763,11 +856,12 @@ def _int4_words_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_beg
 @triton.jit
 def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                       tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_qb, stride_qg, stride_sg,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      res_ptr, new_res_ptr, norm_w_ptr, eps, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
-                      EMULATE: tl.constexpr = False, F16: tl.constexpr = False, TILE: tl.constexpr = 0):
+                      EMULATE: tl.constexpr = False, F16: tl.constexpr = False, TILE: tl.constexpr = 0,
+                      IN: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False, ROW_W: tl.constexpr = 1):
     if not (WORDS or F16): pdl_launch_next(PDL)   # the words paths launch the next kernel after their loop
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -778,13 +872,16 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     num_tiles = (K + BLOCK_K - 1) // BLOCK_K
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    store = (pid_n == 0) & (pid_k == 0)                                      # who writes a new residual
     if BITS == 8 and F16:
-        acc = _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N, BLOCK_K, PDL, EMULATE)
+        acc = _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N, BLOCK_K, PDL, EMULATE,
+                            res_ptr, new_res_ptr, norm_w_ptr, eps, K, store, IN, HAS_RESIDUAL, ROW_W)
     elif BITS == 8 and BLOCK_M == 1 and EVEN:
         acc = _int8_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_K, PDL)
     elif WORDS and HALF2:
         acc = _int4_pairs_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_begin, t_end, stride_sn,
-                              stride_qb, stride_qn, stride_qg, stride_sg, GROUP, BLOCK_N, PDL, ASM, EMULATE, TILE)
+                              stride_qb, stride_qn, stride_qg, stride_sg, GROUP, BLOCK_N, PDL, ASM, EMULATE, TILE,
+                              res_ptr, new_res_ptr, norm_w_ptr, eps, K, store, IN, HAS_RESIDUAL, ROW_W)
     elif WORDS:
         acc = _int4_words_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_begin, t_end, stride_sn,
                               stride_qb, stride_qn, stride_qg, stride_sg, GROUP, BLOCK_N, BLOCK_K, PDL, TILE)
@@ -1012,18 +1109,26 @@ def _args(x, qweight, scales, zeros, bias):
 # %% ../nbs/08_quant.ipynb #37fd25a1
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: Mapping | None = None, pdl: bool = False,
-               tuned: Mapping | None = None) -> torch.Tensor:
-    "FMA GEMV path: x [T, K] (T <= the table's `gemv_max_t` on the GPU) -> [T, N] in x's dtype."
+               tuned: Mapping | None = None, norm: tuple | None = None, residual: torch.Tensor | None = None,
+               act: bool = False):
+    """FMA GEMV path: x [T, K] (T <= the table's `gemv_max_t` on the GPU) -> [T, N] in x's dtype. On the paths that
+    read one bf16 row as pairs (`F16`, `HALF2`) it can make its own input: with `norm` = (weight [K], eps) the RMSNorm
+    of x (+ `residual`), returning `(out, new residual)` (x itself without a residual); with `act`, x is the gate/up
+    row [1, 2K] and silu(gate) x up goes in."""
     x, z, b = _args(x, qweight, scales, zeros, bias)
-    M, K = x.shape
+    made = 1 if norm is not None else (2 if act else 0)                    # x's own, the norm's, SiLU x up
+    M, K = x.shape[0], x.shape[1] // (2 if act else 1)
     N = out_features(qweight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    new_res = torch.empty_like(x) if residual is not None else x
     if M == 0: return out
     run = gemv_launch(M, N, K, method, group_size, x.dtype, num_sms(x.device),
                       {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl,
                       tile=weight_layout(qweight)[0], tuned=tuned)
     c, (n_tiles, split_k) = run["constexprs"], run["grid"]
-    if (c["HALF2"] or c["F16"]) and x.data_ptr() % 4: x = x.clone()        # read as int32 pairs: 4-byte aligned
+    if made or residual is not None: check_made_input(x, K, c, norm, residual, act)
+    aligned = lambda t: t.clone() if (c["HALF2"] or c["F16"]) and t.data_ptr() % 4 else t   # read as int32 pairs
+    x, res, nw = aligned(x), aligned(residual if residual is not None else x), aligned(norm[0] if norm else x)
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
     q = qweight.view(torch.uint8) if c["BITS"] == 8 else qweight            # INT8 read as bytes (see _gemv_tile)
     if c["WORDS"] or c["F16"]: q = qweight.view(torch.int32)                # 8 nibbles [N, K / 8], 4 bytes [N, K / 4]
@@ -1031,18 +1136,23 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     counters = split_counters(x.device, n_tiles) if split_k > 1 else out
     quant_gemv_kernel[run["grid"]](
         x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), stride_qn,
-        scales.stride(0), out.stride(0), stride_qb, stride_qg, scales.stride(-1), HAS_BIAS=bias is not None, **c,
+        scales.stride(0), out.stride(0), stride_qb, stride_qg, scales.stride(-1), res, new_res, nw,
+        norm[1] if norm else 0.0, HAS_BIAS=bias is not None, **c, IN=made, HAS_RESIDUAL=residual is not None,
+        ROW_W=triton.next_power_of_2(K // 2) if made == 1 else 1,
         num_warps=run["num_warps"], num_stages=run["num_stages"], **launch_options(run["pdl"]),
         **({"maxnreg": run["maxnreg"]} if run["maxnreg"] else {}))
-    return out
+    return (out, new_res if residual is not None else x) if made == 1 else out
+
 
 # %% ../nbs/08_quant.ipynb #9f2c7a45
-def _compile_signature(kernel, c: dict, ints: dict, ptrs: dict):
+def _compile_signature(kernel, c: dict, ints: dict, ptrs: dict, floats: tuple = ()):
     """Triton's signature, constants and attributes for `kernel`, specialised as a launch would: ints equal to 1
-    become constants, pointers and ints divisible by 16 are marked so, the rest of `c` are constexprs."""
+    become constants, pointers and ints divisible by 16 are marked so, `floats` are fp32, the rest of `c` are
+    constexprs."""
     sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):
         if n in ptrs: sig[n] = ptrs[n]; attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in floats: sig[n] = "fp32"
         elif n in ints and ints[n] == 1: sig[n] = "constexpr"; consts[(i,)] = 1
         elif n in ints:
             sig[n] = "i32"
@@ -1072,7 +1182,8 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
     words = c.get("WORDS", False) or c.get("F16", False) or c.get("PACKED", False)     # weights read as int32
     ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
             "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
-            "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt}
+            "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt,
+            "res_ptr": xt, "new_res_ptr": xt, "norm_w_ptr": xt}             # what the input is made from
     unit = 8 if words and int4 else (4 if words else (2 if int4 else 1))   # inputs a storage element
     row = K // unit                                                        # elements a channel
     gu = (group_size or 1) // unit if int4 else row                        # elements a group
@@ -1081,7 +1192,7 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
             "stride_sn": 1 if tile else (K // group_size if int4 else 1), "stride_sg": N if tile else 1,
             "stride_om": N}
     kernel = kernel or (quant_gemm_kernel if gemm else quant_gemv_kernel)
-    sig, consts, attrs = _compile_signature(kernel, c, ints, ptrs)
+    sig, consts, attrs = _compile_signature(kernel, c, ints, ptrs, floats=("eps",))
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": run["num_warps"], "num_stages": run["num_stages"],
@@ -1150,6 +1261,29 @@ def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int |
         return quant_gemv(x, qweight, scales, zeros, bias, method, group_size, pdl=pdl, tuned=tuned)
     return quant_gemm(x, qweight, scales, zeros, bias, method, group_size, config=gemm_cfg)
 
+# %% ../nbs/08_quant.ipynb #5f1a7c07
+def makes_input(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype,
+                tuned: Mapping | None = None) -> bool:
+    """Whether one `dtype` row through an [N, K] layer goes to `quant_gemv` on a path that can make its own input
+    (the norm's, or SiLU x up: `F16`, `HALF2`), as `quant_matmul` would route it."""
+    if quant_tables()["few_rows_gemm"].get((method, N, K)) is not None and not one_row_f16(N, K, method, dtype):
+        return False                                                     # the GEMM takes this one row
+    c = gemv_launch(1, N, K, method, group_size, dtype, 132, tuned=tuned)["constexprs"]
+    return bool(c["HALF2"] or c["F16"])
+
+
+def check_made_input(x, K: int, c: Mapping, norm: tuple | None, residual: torch.Tensor | None, act: bool) -> None:
+    "Raise `ValueError` unless `quant_gemv` can make this input (`c`: the launch's constexprs)."
+    if norm is not None and act: raise ValueError("quant_gemv: the norm or SiLU x up goes in, not both")
+    if x.shape[0] != 1 or not (c["HALF2"] or c["F16"]):
+        raise ValueError("quant_gemv: the norm and SiLU x up go in at one bf16 row on the pairs paths (F16, HALF2) only")
+    if norm is not None and (norm[0].shape != (K,) or norm[0].dtype != x.dtype or not norm[0].is_contiguous()):
+        raise ValueError(f"quant_gemv: expected a contiguous {x.dtype} norm weight of shape ({K},)")
+    if residual is not None and (norm is None or residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"quant_gemv: a residual needs a norm and must match x {tuple(x.shape)} {x.dtype}")
+
+
 # %% ../nbs/08_quant.ipynb #7824480c
 def quantize_weight(w: torch.Tensor, method: str, group_size: int = 128, name: str = "linear",
                     tuned: Mapping | None = None) -> tuple:
@@ -1183,6 +1317,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_perm", input_perm)   # inputs in this order first (a GPTQ act-order checkpoint's)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
         self.pdl = False                        # True: the GEMV uses programmatic dependent launch
+        self.fuse_input = False                 # True: one row's GEMV makes its own input where it can (`fuses_input`)
         self.tuned = tuned                      # the GEMV entry in place of the tuned table's (None: the table's)
 
     @classmethod
@@ -1221,14 +1356,39 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{g}, " \
                f"bias={self.bias is not None}"
 
+# %% ../nbs/08_quant.ipynb #5f1a7c0a
+def fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
+    """Whether the layer takes `x`, the norm's input [1, K] or the gate/up output [1, 2K], before the kernel that
+    makes its input (`norm_forward`, `gate_up_forward`): `fuse_input` on, one row in the inputs' own order, and its
+    GEMV path makes inputs (`makes_input`)."""
+    return (self.fuse_input and self.method in METHODS and x.shape[0] == 1 and self.input_perm is None
+            and self.use_kernels(x)
+            and makes_input(self.out_features, self.in_features, self.method, self.group_size, x.dtype, self.tuned))
+
+
+def norm_forward(self: QuantLinear, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
+    "(self(norm(x + residual)), x + residual), x itself the new residual without one: one GEMV."
+    return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
+                      tuned=self.tuned, norm=(norm.weight, norm.eps), residual=residual)
+
+
+def gate_up_forward(self: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor:
+    "self(silu(gate) * up) of the gate/up output [1, 2K]: one GEMV."
+    return quant_gemv(gate_up, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size,
+                      pdl=self.pdl, tuned=self.tuned, act=True)
+
+QuantLinear.fuses_input, QuantLinear.norm_forward, QuantLinear.gate_up_forward = fuses_input, norm_forward, gate_up_forward
+
+
 # %% ../nbs/08_quant.ipynb #95d377d9
 class Fp8Linear(QuantLinear):
     """A `QuantLinear` of fp8 weights. At one row its product is the one-row GEMV over the e4m3 weights and input
     (`gemv` with their scales: half bf16's bytes, where cuBLAS's fp8 GEMM is slower than bf16's GEMV), beyond it
     `fp8_scaled_mm`; the same products either way, summed in another order. It can also take its input before the
     kernel that makes it: the model chapter's decoder hands it the norm's input (`norm_forward`) or the gate/up output
-    (`gate_up_forward`) when its kernel table has the fused kernels, and the rounding to e4m3 happens inside them."""
-    fuses_input = True
+    (`gate_up_forward`) when its kernel table has the fused kernels, and the rounding to e4m3 happens inside them.
+    (INT8 and INT4 layers take it at one row only, into their GEMV: `fuses_input` above.)"""
+    def fuses_input(self, x: torch.Tensor) -> bool: return True       # its kernels round whatever rows they make
 
     def product(self, xq: torch.Tensor, x_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         "e4m3 rows `xq` [T, K] (scales [T, 1]) times the weights -> [T, N] in `dtype`."
