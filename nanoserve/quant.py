@@ -1176,7 +1176,8 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
         run = gemm_launch(1, N, K, method, group_size, sms, config, interpret=False, dtype=dtype, tile=tile)
     else:
         run = gemv_launch(1, N, K, method, group_size, dtype, sms, config, pdl, interpret=False, tile=tile, tuned=tuned)
-    c = {**run["constexprs"], "HAS_BIAS": bias, **(extra or {})}
+    c = {"IN": 0, "HAS_RESIDUAL": False, "ROW_W": 1,        # x's own input, unless `extra` says the GEMV makes it
+         **run["constexprs"], "HAS_BIAS": bias, **(extra or {})}
     xt = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     int4, split = method == "int4", run["grid"][-1] > 1
     words = c.get("WORDS", False) or c.get("F16", False) or c.get("PACKED", False)     # weights read as int32

@@ -40,7 +40,7 @@ class KernelConfig:
     row_gemv: bool | None = None           # one-row steps' projections as the fused chapter's `gemv`
     tuned_gemv: bool = True                # the `gemv` takes its shape's blocks from the H200 table (False: the rule)
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
-    norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
+    norm_in_gemv: bool = True              # one-row steps: the GEMVs (bf16, INT8, INT4) make their own input
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
     decode_splits_by_context: bool = True  # the decode kernel runs only the splits a context has tiles for
     decode_prefetch: bool = True           # the decode kernel's first tile loads before it waits on the kernel before

@@ -533,6 +533,31 @@ def test_int8_pairs_ptx_compiles_for_hopper():
     assert cubin > 0 and (prmt, fma) == (32, 32) and 0 < cvt <= 16
 
 
+MADE_COMPILE = """
+import nanoserve.quant as Q
+for method, K, g in (("int8", 3584, None), ("int4", 3584, 128), ("int8", 18944, None), ("int4", 18944, 128)):
+    made = ((1, False), (1, True)) if K == 3584 else ((2, False),)
+    for IN, res in made:
+        extra = {"IN": IN, "HAS_RESIDUAL": res, "ROW_W": 2048 if IN == 1 else 1}
+        ptx = Q.compile_one_row(3584, K, method, g, extra=extra).asm["ptx"]
+        print(method, IN, int(res), ptx.count("griddepcontrol.wait"), ptx.count("sqrt"), ptx.count("ex2.approx"),
+              ptx.count("st.global"))
+"""
+
+
+def test_made_inputs_compile_for_hopper():
+    """The one-row INT8 (fp16 pairs) and INT4 (half2) GEMVs that make their own input, compiled for sm_90 on the CPU
+    at the 7B's shapes as `quant_gemv` would launch them: the norm's variants take a square root (and, with a residual,
+    store the new one), SiLU x up's an exponential; each waits once on the kernel before."""
+    rows = [line.split() for line in compiled_run(MADE_COMPILE).splitlines() if line.strip()]
+    got = {(m, int(i), int(r)): tuple(map(int, rest)) for m, i, r, *rest in rows}
+    assert set(got) == {(m, 1, r) for m in ("int8", "int4") for r in (0, 1)} | {("int8", 2, 0), ("int4", 2, 0)}, got
+    for (m, made, res), (wait, sqrt, ex2, stores) in got.items():
+        assert wait == 1 and (sqrt > 0) == (made == 1) and (ex2 > 0) == (made == 2), (m, made, got)
+    for m in ("int8", "int4"):
+        assert got[m, 1, 1][3] > got[m, 1, 0][3]                         # the new residual's store
+
+
 def test_gemv_launch_matches_the_rules():
     "What `compile_one_row` compiles is what `quant_gemv` launches: the GPU decisions, whatever the interpreter."
     from nanoserve.quant import gemv_launch, PAIRS_ASM, PAIRS_ASM_SHIFT
@@ -672,7 +697,8 @@ def norm(ptx):
         if skip:
             if s == "}": skip = False
             continue
-        if s.startswith((".loc", ".file", "//", "$L__tmp")) or not s: continue
+        if s.startswith((".loc", ".file", "//", "$L__tmp", ".param")) or not s: continue   # (a kernel's parameter
+        # list: the ones a path does not read, such as a made input's, declared and never loaded)
         out.append(s)
     return "\\n".join(out)
 res = {}
@@ -683,46 +709,47 @@ for key in json.loads('@@KEYS@@'):
     res[key] = hashlib.sha256(norm(cc.asm["ptx"]).encode()).hexdigest()[:16]
 print(json.dumps(res))
 """
-# The PTX (debug lines and labels aside) of every kernel the shipped tables and rules select at one row, recorded
-# before the GEMV kernel was split into one-job helpers: the H200 runs exactly these.
+# The PTX (debug lines, labels and the parameter list aside) of every kernel the shipped tables and rules select at
+# one row, recorded before the GEMV kernel was split into one-job helpers (and again, with the same values from that
+# tree and this one, when the made-input parameters joined the list): the H200 runs exactly these.
 TABLE_PTX_HASHES = {
-    "int8 896x896 bfloat16": "2b8497ba791ef1d0",
-    "int8 896x4864 bfloat16": "7d3d3aa6a0f609da",
-    "int8 1152x896 bfloat16": "2b8497ba791ef1d0",
-    "int8 1536x1536 bfloat16": "0e59020f8ef24dff",
-    "int8 1536x8960 bfloat16": "9fa707b39477791a",
-    "int8 1536x8960 float16": "f5a82e7df291056a",
-    "int8 2048x1536 bfloat16": "0e59020f8ef24dff",
-    "int8 3584x3584 bfloat16": "4b9a4812977ca4cb",
-    "int8 3584x3584 bfloat16 gemm": "5655dba143b420e4",
-    "int8 3584x3584 float16": "d22d652bf19aee0d",
-    "int8 3584x3584 float16 gemm": "c15fc4ba95727075",
-    "int8 3584x18944 bfloat16": "47040c26d12da293",
-    "int8 3584x18944 bfloat16 gemm": "5655dba143b420e4",
-    "int8 4608x3584 bfloat16": "b3bfa6aa73708c16",
-    "int8 9728x896 bfloat16": "1738dc2d3f617a87",
-    "int8 17920x1536 bfloat16": "4e082b612cbea45f",
-    "int8 37888x3584 bfloat16": "4e082b612cbea45f",
-    "int8 37888x3584 bfloat16 gemm": "1385b68eaf589368",
-    "int8 152064x3584 bfloat16": "4e082b612cbea45f",
-    "int4 896x896 bfloat16": "c8bea3107534ccdc",
-    "int4 896x4864 bfloat16": "9ae9e55b26ec8663",
-    "int4 1152x896 bfloat16": "b0d739296626eac6",
-    "int4 1536x1536 bfloat16": "e8dbc797c4933a12",
-    "int4 1536x8960 bfloat16": "82424bc8f6d633aa",
-    "int4 1536x8960 float16": "54b15df3654c0459",
-    "int4 2048x1536 bfloat16": "e8dbc797c4933a12",
-    "int4 3584x3584 bfloat16": "c822ad0bcd90724a",
-    "int4 3584x3584 bfloat16 gemm": "2f9e3cc80f673ba8",
-    "int4 3584x3584 float16": "b67b3b4d0d0ad97d",
-    "int4 3584x3584 float16 gemm": "3703bfbe4527a95d",
-    "int4 3584x18944 bfloat16": "3e41da56af32afd4",
-    "int4 4608x3584 bfloat16": "9ae9e55b26ec8663",
-    "int4 9728x896 bfloat16": "ba6c75e5700506d3",
-    "int4 17920x1536 bfloat16": "82424bc8f6d633aa",
-    "int4 37888x3584 bfloat16": "3e41da56af32afd4",
-    "int4 37888x3584 bfloat16 gemm": "b888d4f7e596909c",
-    "int4 152064x3584 bfloat16": "a5fce2dee8af2291"
+    "int8 896x896 bfloat16": "b8e6fe61131ec466",
+    "int8 896x4864 bfloat16": "8e9a0865a0c587a9",
+    "int8 1152x896 bfloat16": "b8e6fe61131ec466",
+    "int8 1536x1536 bfloat16": "51bf6e18e8782b97",
+    "int8 1536x8960 bfloat16": "c85728799f248fc3",
+    "int8 1536x8960 float16": "e2b69bc38e8a5565",
+    "int8 2048x1536 bfloat16": "51bf6e18e8782b97",
+    "int8 3584x3584 bfloat16": "e3b74f04ab9700e1",
+    "int8 3584x3584 bfloat16 gemm": "f342f499342796fb",
+    "int8 3584x3584 float16": "61dc12a8ac46fd25",
+    "int8 3584x3584 float16 gemm": "b057ded586ee7951",
+    "int8 3584x18944 bfloat16": "a11449e88ea3bdc3",
+    "int8 3584x18944 bfloat16 gemm": "f342f499342796fb",
+    "int8 4608x3584 bfloat16": "dba2427cd5a49783",
+    "int8 9728x896 bfloat16": "6a830ce3a92b60e8",
+    "int8 17920x1536 bfloat16": "7a88bad88486981a",
+    "int8 37888x3584 bfloat16": "7a88bad88486981a",
+    "int8 37888x3584 bfloat16 gemm": "b2e744ffeca83a1a",
+    "int8 152064x3584 bfloat16": "7a88bad88486981a",
+    "int4 896x896 bfloat16": "9de175faa4f20a7f",
+    "int4 896x4864 bfloat16": "96134980ef1fc4ca",
+    "int4 1152x896 bfloat16": "73a01b833d4b371a",
+    "int4 1536x1536 bfloat16": "2ddb2c1e2827aaf2",
+    "int4 1536x8960 bfloat16": "2944f53057ca6826",
+    "int4 1536x8960 float16": "7403e9df9e79d5a4",
+    "int4 2048x1536 bfloat16": "2ddb2c1e2827aaf2",
+    "int4 3584x3584 bfloat16": "1cb26a5b02f3e3eb",
+    "int4 3584x3584 bfloat16 gemm": "b7bc68e20883610f",
+    "int4 3584x3584 float16": "f0db5158361dd8f2",
+    "int4 3584x3584 float16 gemm": "f035b0b7dcf0afed",
+    "int4 3584x18944 bfloat16": "600f044340e59e60",
+    "int4 4608x3584 bfloat16": "96134980ef1fc4ca",
+    "int4 9728x896 bfloat16": "642fe2f17f10fd64",
+    "int4 17920x1536 bfloat16": "2944f53057ca6826",
+    "int4 37888x3584 bfloat16": "600f044340e59e60",
+    "int4 37888x3584 bfloat16 gemm": "c017d5d188f3ed00",
+    "int4 152064x3584 bfloat16": "c345acb503342c10",
 }
 
 
