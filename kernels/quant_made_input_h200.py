@@ -4,10 +4,10 @@ SiLU x up as kernels of their own, and against bf16: issue 28's "INT4 >= 2.5x an
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/quant_made_input_h200.py --out $OUT [--shape 7B]
 
 The profile of the INT4 step (`quant_profile7b_h200.json`) put 57 `add_rmsnorm` and 28 `silu_mul` launches on its
-chain, ~110 us of ~2.0 ms, where the bf16 step takes them into its `gemv`. `norm_in_gemv` now does the same for the
+chain, ~110 us of ~2.0 ms, where the bf16 step takes them into its `gemv`. `quant_made_input` now does the same for the
 INT8 and INT4 one-row GEMVs (the quantization chapter: the inputs made as they load). Engines, one process, random
-bf16 weights of the shape drawn on the GPU: bf16; INT8 and INT4 with it on and off (`norm_in_gemv=False`, the
-control); INT8 and INT4 with the LM head quantized too (on), since the package's INT8 default is the question. In
+bf16 weights of the shape drawn on the GPU: bf16; INT8 and INT4 with it on and off (off, the package's default,
+is the control); INT8 and INT4 with the LM head quantized too (on), since the package's INT8 default is the question. In
 the tutorials' order: check (each fused engine's greedy tokens against its control's, recorded: the norm's sum of
 squares is added in another order, so a bf16 near-tie may break the other way), time (each engine in steady decode
 from `--prompt-len`-token prompts, the GPU warmed before every row, ms per `LLM.step()` over `--steps` steps, twice,
@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, device_or_skip, disagree, is_smoke, median, parser, random_checkpoint,  # noqa: E402
                  same_greedy_tokens, steady_decode, step_ms, tiny_model, warm, write)
 
-ENGINES = {"bf16": {}, "int8": {"quantization": "int8"}, "int8 apart": {"quantization": "int8", "norm_in_gemv": False},
-           "int4": {"quantization": "int4"}, "int4 apart": {"quantization": "int4", "norm_in_gemv": False},
-           "int8 head": {"quantization": "int8", "quantize_lm_head": True},
-           "int4 head": {"quantization": "int4", "quantize_lm_head": True}}
+MADE = {"quant_made_input": True}
+ENGINES = {"bf16": {}, "int8": {"quantization": "int8", **MADE}, "int8 apart": {"quantization": "int8"},
+           "int4": {"quantization": "int4", **MADE}, "int4 apart": {"quantization": "int4"},
+           "int8 head": {"quantization": "int8", "quantize_lm_head": True, **MADE},
+           "int4 head": {"quantization": "int4", "quantize_lm_head": True, **MADE}}
 
 
 def main():

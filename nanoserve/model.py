@@ -369,6 +369,7 @@ class ModelKernels:
     silu_mul: Callable | None = None     # (gate_up, pdl=False) -> [T, I]; None: torch
     gemv: Callable | None = None         # fused.gemv: one-row projections on a GPU; None: nn.Linear
     norm_in_gemv: bool = False           # with gemv and add_rmsnorm: the gemv normalises its own input
+    quant_made_input: bool = False       # quantized layers (that chapter) make their one-row input in their GEMV
     pdl: bool = False                    # Triton kernels launch with programmatic dependent launch
     qk_norm_in_attention: bool = False   # Qwen3's q/k norms done by `attention` (its qk_norm=(wq, wk, eps)); False: torch
 
@@ -515,12 +516,12 @@ class Qwen2ForCausalLM(nn.Module):
 
     def set_kernels(self, kernels: ModelKernels) -> None:
         """Compute the forward pass with `kernels`. A submodule with its own `pdl` switch (a quantized layer, in the
-        quantization chapter) follows the table's `pdl`, and its `fuse_input` the table's `norm_in_gemv`."""
+        quantization chapter) follows the table's `pdl`, and its `fuse_input` the table's `quant_made_input`."""
         if not isinstance(kernels, ModelKernels): raise TypeError(f"set_kernels takes a ModelKernels, got {kernels!r}")
         self.kernels = kernels
         for m in self.modules():
             if hasattr(m, "pdl"): m.pdl = kernels.pdl
-            if hasattr(m, "fuse_input"): m.fuse_input = kernels.norm_in_gemv
+            if hasattr(m, "fuse_input"): m.fuse_input = kernels.quant_made_input
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         "input_ids, positions [T]; kv_caches[i] = (k_cache, v_cache) of layer i -> hidden states [T, hidden]."

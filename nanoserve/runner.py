@@ -40,7 +40,8 @@ class KernelConfig:
     row_gemv: bool | None = None           # one-row steps' projections as the fused chapter's `gemv`
     tuned_gemv: bool = True                # the `gemv` takes its shape's blocks from the H200 table (False: the rule)
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
-    norm_in_gemv: bool = True              # one-row steps: the GEMVs (bf16, INT8, INT4) make their own input
+    norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
+    quant_made_input: bool = False         # one-row INT8/INT4 steps: the GEMV makes its input (norm, SiLU x up)
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
     decode_splits_by_context: bool = True  # the decode kernel runs only the splits a context has tiles for
     decode_prefetch: bool = True           # the decode kernel's first tile loads before it waits on the kernel before
@@ -89,7 +90,7 @@ def model_kernels(k: KernelConfig) -> ModelKernels:
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
                         gemv=(gemv if k.tuned_gemv else partial(gemv, tuned=False)) if k.row_gemv else None,
-                        norm_in_gemv=k.norm_in_gemv, pdl=bool(k.pdl),
+                        norm_in_gemv=k.norm_in_gemv, quant_made_input=k.quant_made_input, pdl=bool(k.pdl),
                         qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention)
 
 # %% ../nbs/10_runner.ipynb #5b20fda6

@@ -114,13 +114,13 @@ def one_token_logits(m, token: int = 7):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_the_decoder_hands_quantized_layers_their_inputs_at_one_row(method, monkeypatch):
-    """With the norm and SiLU kernels in the table and `norm_in_gemv` on, each INT8/INT4 QKV and gate/up layer gets
+    """With the norm and SiLU kernels in the table and `quant_made_input` on, each INT8/INT4 QKV and gate/up layer gets
     the norm's input and each down layer the gate/up output at one row; off (the control), the kernels run apart.
     The logits agree within bf16 rounding."""
     m = small_model(method)
-    m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, norm_in_gemv=False))
+    m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, quant_made_input=False))
     apart = one_token_logits(m)
-    m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, norm_in_gemv=True))
+    m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, quant_made_input=True))
     assert all(mod.fuse_input for mod in m.modules() if isinstance(mod, QuantLinear))
     calls, real = [], Q.quant_gemv
     monkeypatch.setattr(Q, "quant_gemv", lambda *a, **k: (calls.append("norm" if k.get("norm") else
