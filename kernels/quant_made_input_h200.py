@@ -35,7 +35,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default="bf16,int8,int8 apart,int4,int4 apart,int8 head")
     args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)

@@ -188,3 +188,22 @@ def compiled_run(script: str, timeout: int = 600) -> str:
                        cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+def small_model(dtype: torch.dtype = torch.float32, **config):
+    """A seeded random `Qwen2ForCausalLM` (norm weights in [0.5, 1.5], the rest N(0, 0.1)) of a small config (`config`
+    overrides it), in `dtype`, its rotary table built on the CPU in `dtype`, in eval mode."""
+    from nanoserve.model import ModelConfig, Qwen2ForCausalLM
+    cfg = ModelConfig(**(dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                              tie_word_embeddings=True) | config))
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"): p.uniform_(0.5, 1.5)
+            else: p.normal_(0.0, 0.1)
+    m = m.to(dtype)
+    m.rotary.build("cpu", dtype)
+    return m.eval().requires_grad_(False)
+

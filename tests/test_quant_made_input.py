@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+import helpers
 import nanoserve.quant as Q
 from nanoserve.fused import add_rmsnorm, add_rmsnorm_ref, silu_mul
-from nanoserve.model import AttentionMetadata, ModelConfig, ModelKernels, PrefillChunk, Qwen2ForCausalLM, RMSNorm
+from nanoserve.model import AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausalLM, RMSNorm
 from nanoserve.quant import QuantLinear, makes_input, quant_matmul_ref, quantize_model
 
 pytestmark = pytest.mark.skipif(not Q.INTERPRET, reason="the pairs paths' emulation runs under the interpreter")
@@ -87,20 +88,12 @@ def test_what_cannot_be_made_is_refused():
 
 
 def small_model(method: str) -> Qwen2ForCausalLM:
-    cfg = ModelConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"): p.uniform_(0.5, 1.5)
-            else: p.normal_(0.0, 0.05)
-    m = m.bfloat16()
-    m.rotary.build("cpu", torch.bfloat16)
+    "A bf16 model whose every projection fits the pairs paths, quantized, its layers on the kernels."
+    m = helpers.small_model(torch.bfloat16, hidden_size=256, intermediate_size=512, max_position_embeddings=64)
     quantize_model(m, method, GROUP)
     for mod in m.modules():
         if isinstance(mod, QuantLinear): mod.kernels = True
-    return m.eval().requires_grad_(False)
+    return m
 
 
 def one_token_logits(m, token: int = 7):

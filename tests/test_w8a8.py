@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import helpers
 from helpers import build_tokenizer_source, make_checkpoint, random_prompt
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.model import AttentionMetadata, PrefillChunk, load_model
@@ -79,18 +80,7 @@ def test_the_product_is_the_references(dtype):
 
 
 def small_model(tie=True, **kw):
-    from nanoserve.model import ModelConfig, Qwen2ForCausalLM
-    cfg = ModelConfig(**(dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                              tie_word_embeddings=tie) | kw))
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"): p.uniform_(0.5, 1.5)
-            else: p.normal_(0.0, 0.1)
-    m.rotary.build("cpu", torch.float32)
-    return m.eval().requires_grad_(False)
+    return helpers.small_model(tie_word_embeddings=tie, **kw)
 
 
 def logits(m, ids):
