@@ -42,13 +42,12 @@ __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS
            'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
            'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
            'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
-           'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'fuses_input', 'norm_forward',
-           'gate_up_forward', 'Fp8Linear', 'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport',
-           'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32',
-           'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'checkpoint_layer',
-           'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense',
-           'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize',
-           'write_fp8', 'logit_quality', 'quantized_linear_bytes']
+           'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'Fp8Linear', 'int4_linear',
+           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format',
+           'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors',
+           'gptq8_quantize', 'checkpoint_layer', 'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant',
+           'write_quantized', 'gptq_dense', 'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict',
+           'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -460,6 +459,7 @@ def _regroup(r0, r1, r2, r3):
     return p0, p1, p2, p3
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c1d
 @triton.jit
 def _x_pairs(x_ptr, base, NW: tl.constexpr):
     "The activation pairs of NW words, straight from x's bf16 bits (`_x_words`), regrouped (`_regroup`)."
@@ -475,12 +475,14 @@ def _bf16_bits(v):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c12
 @triton.jit
 def _bf16(v):
     "fp32 values rounded to bf16 (`_bf16_bits`), as fp32."
     return _bits_value(_bf16_bits(v))
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c22
 @triton.jit
 def _pair_values(w):
     "int32 bf16 pairs -> (low, high) fp32 values."
@@ -506,6 +508,7 @@ def _in_pair(w, r, nw, u, rstd, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c14
 @triton.jit
 def _in_words(x_ptr, base, NW: tl.constexpr, res_ptr, norm_w_ptr, rstd, half_k, IN: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr):
@@ -1273,6 +1276,7 @@ def makes_input(N: int, K: int, method: str, group_size: int | None, dtype: torc
     return bool(c["HALF2"] or c["F16"])
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c17
 def check_made_input(x, K: int, c: Mapping, norm: tuple | None, residual: torch.Tensor | None, act: bool) -> None:
     "Raise `ValueError` unless `quant_gemv` can make this input (`c`: the launch's constexprs)."
     if norm is not None and act: raise ValueError("quant_gemv: the norm or SiLU x up goes in, not both")
@@ -1358,7 +1362,7 @@ class QuantLinear(nn.Module):
                f"bias={self.bias is not None}"
 
 # %% ../nbs/08_quant.ipynb #5f1a7c0a
-def fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
+def _fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
     """Whether the layer takes `x`, the norm's input [1, K] or the gate/up output [1, 2K], before the kernel that
     makes its input (`norm_forward`, `gate_up_forward`): `fuse_input` on, one row in the inputs' own order, and its
     GEMV path makes inputs (`makes_input`)."""
@@ -1367,18 +1371,19 @@ def fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
             and makes_input(self.out_features, self.in_features, self.method, self.group_size, x.dtype, self.tuned))
 
 
-def norm_forward(self: QuantLinear, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
+# %% ../nbs/08_quant.ipynb #5f1a7c1a
+def _norm_forward(self: QuantLinear, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
     "(self(norm(x + residual)), x + residual), x itself the new residual without one: one GEMV."
     return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
                       tuned=self.tuned, norm=(norm.weight, norm.eps), residual=residual)
 
 
-def gate_up_forward(self: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor:
+def _gate_up_forward(self: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor:
     "self(silu(gate) * up) of the gate/up output [1, 2K]: one GEMV."
     return quant_gemv(gate_up, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size,
                       pdl=self.pdl, tuned=self.tuned, act=True)
 
-QuantLinear.fuses_input, QuantLinear.norm_forward, QuantLinear.gate_up_forward = fuses_input, norm_forward, gate_up_forward
+QuantLinear.fuses_input, QuantLinear.norm_forward, QuantLinear.gate_up_forward = _fuses_input, _norm_forward, _gate_up_forward
 
 
 # %% ../nbs/08_quant.ipynb #95d377d9
