@@ -83,7 +83,8 @@ def engines(args, device, G: int) -> dict:
     "Our INT4 engine on the bf16 checkpoint and one engine a checkpoint format."
     src = small_checkpoint(Path(args.work)) if is_smoke(args) else random_checkpoint(args.shape, device=device.type)
     kw = dict(dtype="float32" if is_smoke(args) else "bfloat16", device=device.type,
-              max_num_seqs=max(int(b) for b in args.batches.split(",")), num_kv_blocks=512)
+              max_num_seqs=max(int(b) for b in args.batches.split(",")), num_kv_blocks=512,
+              quant_made_input=args.made_input)
     out = {"int4 (ours)": LLM(src, quantization="int4", quant_group_size=G, **kw)}
     root = Path(args.work) / f"{src.name}-g{G}"
     for name, (fmt, act) in FORMATS.items():
@@ -134,11 +135,13 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--work", default="/tmp/nanoserve-awq-gptq", help="where the checkpoints are written")
     ap.add_argument("--name", default=NAME)
+    ap.add_argument("--made-input", action="store_true",
+                    help="every engine with quant_made_input (act order: the one-row GEMV gathers its input)")
     args = ap.parse_args()
     device = device_or_skip(args)
     G = 32 if is_smoke(args) else args.group
     es = engines(args, device, G)
-    res = {"shape": "tiny" if is_smoke(args) else args.shape, "group_size": G,
+    res = {"shape": "tiny" if is_smoke(args) else args.shape, "group_size": G, "quant_made_input": args.made_input,
            "engines": {k: repr(v) for k, v in es.items()}}
     run_parts({"check": lambda: check(res, es), "time": lambda: timed(res, es, args)}, args.parts,
               saver(args.name, res, args))

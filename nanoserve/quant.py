@@ -508,12 +508,29 @@ def _in_pair(w, r, nw, u, rstd, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c24
+@triton.jit
+def _gathered_words(x_ptr, perm_ptr, base, NW: tl.constexpr):
+    """`_x_words` of x's inputs in `perm`'s order (a GPTQ act-order layer's): input k is x[perm[k]], each bf16 value
+    gathered by its index and paired."""
+    w = base + 4 * tl.arange(0, NW)[:, None] + tl.arange(0, 4)[None, :]                 # [NW, 4] word indices
+    xh = x_ptr.to(tl.pointer_type(tl.int16))
+    lo = tl.load(xh + tl.load(perm_ptr + 2 * w)).to(tl.int32) & 0xFFFF
+    hi = tl.load(xh + tl.load(perm_ptr + 2 * w + 1)).to(tl.int32) & 0xFFFF
+    a, b = tl.split(tl.reshape(lo | (hi << 16), (NW, 2, 2)))                             # as `_x_words` splits
+    r0, r2 = tl.split(a)
+    r1, r3 = tl.split(b)
+    return r0, r1, r2, r3
+
+
 # %% ../nbs/08_quant.ipynb #5f1a7c14
 @triton.jit
-def _in_words(x_ptr, base, NW: tl.constexpr, res_ptr, norm_w_ptr, rstd, half_k, IN: tl.constexpr,
+def _in_words(x_ptr, base, NW: tl.constexpr, res_ptr, norm_w_ptr, perm_ptr, rstd, half_k, IN: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr):
-    """`_x_words` of the product's inputs: x's own pairs (IN = 0), or pairs made as they load (`_in_pair`: the norm,
-    IN = 1, or SiLU x up, IN = 2, the up projection `half_k` words after the gate)."""
+    """`_x_words` of the product's inputs: x's own pairs (IN = 0), pairs made as they load (`_in_pair`: the norm,
+    IN = 1, or SiLU x up, IN = 2, the up projection `half_k` words after the gate), or gathered (IN = 3)."""
+    if IN == 3:
+        return _gathered_words(x_ptr, perm_ptr, base, NW)
     w0, w1, w2, w3 = _x_words(x_ptr, base, NW)
     if IN == 0:
         return w0, w1, w2, w3
@@ -743,7 +760,8 @@ def _gemv_tile(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_m, offs_n, n0, k0
 @triton.jit
 def _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr, res_ptr, new_res_ptr,
-                  norm_w_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_W: tl.constexpr):
+                  norm_w_ptr, perm_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  ROW_W: tl.constexpr):
     """INT8, one bf16 row: bytes in packed fp16 pairs (`INT8_PAIRS_ASM`), 8 a call -> [1, BLOCK_N] (before the scales).
     The inputs x's own (`IN` = 0) or made as they load (`_in_words`)."""
     NWB: tl.constexpr = BLOCK_K // 8                                      # word pairs a row a tile
@@ -756,7 +774,7 @@ def _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N
     total = tl.full([BLOCK_N, NWB], 0.0, tl.float32)
     for t in range(t_begin, t_end):
         wa, wb = tl.split(tl.reshape(w2, (BLOCK_N, NWB, 2)))              # [BLOCK_N, NWB]: inputs 8 jj + 0-3, 4-7
-        r0, r1, r2, r3 = _in_words(x_ptr, t * (BLOCK_K // 2), NWB, res_ptr, norm_w_ptr, rstd, K // 2, IN,
+        r0, r1, r2, r3 = _in_words(x_ptr, t * (BLOCK_K // 2), NWB, res_ptr, norm_w_ptr, perm_ptr, rstd, K // 2, IN,
                                    HAS_RESIDUAL)                         # [NWB]: inputs 8 jj + 0-1, ..., 6-7
         total += _int8_pairs(wa, wb, _f16_pair(r0, EMULATE)[None, :], _f16_pair(r1, EMULATE)[None, :],
                              _f16_pair(r2, EMULATE)[None, :], _f16_pair(r3, EMULATE)[None, :], EMULATE)
@@ -785,7 +803,8 @@ def _int8_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_K: tl
 def _int4_pairs_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_begin, t_end, stride_sn, stride_qb,
                     stride_qn, stride_qg, stride_sg, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                     ASM: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr, res_ptr, new_res_ptr,
-                    norm_w_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_W: tl.constexpr):
+                    norm_w_ptr, perm_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    ROW_W: tl.constexpr):
     """INT4 words, one bf16 row, a group a tile: two weights an instruction, the zero point in the pairs -> [1, BLOCK_N].
     The inputs x's own (`IN` = 0) or made as they load (`_in_words`)."""
     NW: tl.constexpr = GROUP // 8
@@ -800,7 +819,8 @@ def _int4_pairs_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_beg
         s = tl.load(scales_ptr + offs_n * stride_sn + t * stride_sg)
         zb = tl.load(zeros_ptr + offs_n * stride_sn + t * stride_sg).to(tl.int32) | 0xC300   # -(128 + z)
         zp = (zb | (zb << 16))[:, None]                                   # [BLOCK_N, 1]: the pair
-        p0, p1, p2, p3 = _in_words(x_ptr, t * (GROUP // 2), NW, res_ptr, norm_w_ptr, rstd, K // 2, IN, HAS_RESIDUAL)
+        p0, p1, p2, p3 = _in_words(x_ptr, t * (GROUP // 2), NW, res_ptr, norm_w_ptr, perm_ptr, rstd, K // 2, IN,
+                                   HAS_RESIDUAL)
         if TILE == 0:                 # pair k: inputs 8 j + k and 8 j + k + 4, regrouped from x's words
             p0, p1, p2, p3 = _regroup(p0, p1, p2, p3)                     # [NW] each
         # (tile_int4's nibbles: pair k is inputs 8 j + 2 k, + 1: x's own words)
@@ -859,7 +879,7 @@ def _int4_words_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_beg
 @triton.jit
 def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                       tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_qb, stride_qg, stride_sg,
-                      res_ptr, new_res_ptr, norm_w_ptr, eps, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      res_ptr, new_res_ptr, norm_w_ptr, perm_ptr, eps, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
@@ -878,13 +898,13 @@ def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
     store = (pid_n == 0) & (pid_k == 0)                                      # who writes a new residual
     if BITS == 8 and F16:
         acc = _int8_f16_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_N, BLOCK_K, PDL, EMULATE,
-                            res_ptr, new_res_ptr, norm_w_ptr, eps, K, store, IN, HAS_RESIDUAL, ROW_W)
+                            res_ptr, new_res_ptr, norm_w_ptr, perm_ptr, eps, K, store, IN, HAS_RESIDUAL, ROW_W)
     elif BITS == 8 and BLOCK_M == 1 and EVEN:
         acc = _int8_row(x_ptr, qweight_ptr, offs_n, stride_qn, t_begin, t_end, BLOCK_K, PDL)
     elif WORDS and HALF2:
         acc = _int4_pairs_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_begin, t_end, stride_sn,
                               stride_qb, stride_qn, stride_qg, stride_sg, GROUP, BLOCK_N, PDL, ASM, EMULATE, TILE,
-                              res_ptr, new_res_ptr, norm_w_ptr, eps, K, store, IN, HAS_RESIDUAL, ROW_W)
+                              res_ptr, new_res_ptr, norm_w_ptr, perm_ptr, eps, K, store, IN, HAS_RESIDUAL, ROW_W)
     elif WORDS:
         acc = _int4_words_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_begin, t_end, stride_sn,
                               stride_qb, stride_qn, stride_qg, stride_sg, GROUP, BLOCK_N, BLOCK_K, PDL, TILE)
@@ -1113,13 +1133,13 @@ def _args(x, qweight, scales, zeros, bias):
 def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | None = None,
                split_k: int | None = None, config: Mapping | None = None, pdl: bool = False,
                tuned: Mapping | None = None, norm: tuple | None = None, residual: torch.Tensor | None = None,
-               act: bool = False):
+               act: bool = False, perm: torch.Tensor | None = None):
     """FMA GEMV path: x [T, K] (T <= the table's `gemv_max_t` on the GPU) -> [T, N] in x's dtype. On the paths that
     read one bf16 row as pairs (`F16`, `HALF2`) it can make its own input: with `norm` = (weight [K], eps) the RMSNorm
     of x (+ `residual`), returning `(out, new residual)` (x itself without a residual); with `act`, x is the gate/up
-    row [1, 2K] and silu(gate) x up goes in."""
+    row [1, 2K] and silu(gate) x up goes in; with `perm` [K] (int64), input k is x[perm[k]] (act order), gathered."""
     x, z, b = _args(x, qweight, scales, zeros, bias)
-    made = 1 if norm is not None else (2 if act else 0)                    # x's own, the norm's, SiLU x up
+    made = 1 if norm is not None else 2 if act else 3 if perm is not None else 0   # x's own, norm, SiLU x up, gather
     M, K = x.shape[0], x.shape[1] // (2 if act else 1)
     N = out_features(qweight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -1129,7 +1149,7 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
                       {**(config or {}), **({} if split_k is None else {"SPLIT_K": split_k})}, pdl,
                       tile=weight_layout(qweight)[0], tuned=tuned)
     c, (n_tiles, split_k) = run["constexprs"], run["grid"]
-    if made or residual is not None: check_made_input(x, K, c, norm, residual, act)
+    if made or residual is not None: check_made_input(x, K, c, norm, residual, act, perm)
     aligned = lambda t: t.clone() if (c["HALF2"] or c["F16"]) and t.data_ptr() % 4 else t   # read as int32 pairs
     x, res, nw = aligned(x), aligned(residual if residual is not None else x), aligned(norm[0] if norm else x)
     part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out  # [S, T, N]
@@ -1140,6 +1160,7 @@ def quant_gemv(x, qweight, scales, zeros, bias, method: str, group_size: int | N
     quant_gemv_kernel[run["grid"]](
         x, q, scales, z, b, out, part, counters, M, N, K, run["tiles_per_split"], x.stride(0), stride_qn,
         scales.stride(0), out.stride(0), stride_qb, stride_qg, scales.stride(-1), res, new_res, nw,
+        perm if perm is not None else x,
         norm[1] if norm else 0.0, HAS_BIAS=bias is not None, **c, IN=made, HAS_RESIDUAL=residual is not None,
         ROW_W=triton.next_power_of_2(K // 2) if made == 1 else 1,
         num_warps=run["num_warps"], num_stages=run["num_stages"], **launch_options(run["pdl"]),
@@ -1187,7 +1208,7 @@ def compile_one_row(N: int, K: int, method: str, group_size: int | None, dtype: 
     ptrs = {"x_ptr": xt, "qweight_ptr": "*i32" if words else ("*u8" if int4 or not gemm else "*i8"),
             "scales_ptr": "*fp32", "zeros_ptr": "*u8" if int4 else "*fp32", "bias_ptr": xt if bias else "*fp32",
             "out_ptr": xt, "part_ptr": "*fp32" if split else xt, "counter_ptr": "*i32" if split else xt,
-            "res_ptr": xt, "new_res_ptr": xt, "norm_w_ptr": xt}             # what the input is made from
+            "res_ptr": xt, "new_res_ptr": xt, "norm_w_ptr": xt, "perm_ptr": "*i64"}   # what the input is made from
     unit = 8 if words and int4 else (4 if words else (2 if int4 else 1))   # inputs a storage element
     row = K // unit                                                        # elements a channel
     gu = (group_size or 1) // unit if int4 else row                        # elements a group
@@ -1277,9 +1298,13 @@ def makes_input(N: int, K: int, method: str, group_size: int | None, dtype: torc
 
 
 # %% ../nbs/08_quant.ipynb #5f1a7c17
-def check_made_input(x, K: int, c: Mapping, norm: tuple | None, residual: torch.Tensor | None, act: bool) -> None:
+def check_made_input(x, K: int, c: Mapping, norm: tuple | None, residual: torch.Tensor | None, act: bool,
+                     perm: torch.Tensor | None = None) -> None:
     "Raise `ValueError` unless `quant_gemv` can make this input (`c`: the launch's constexprs)."
-    if norm is not None and act: raise ValueError("quant_gemv: the norm or SiLU x up goes in, not both")
+    if (norm is not None) + act + (perm is not None) > 1:
+        raise ValueError("quant_gemv: one of the norm, SiLU x up and a gather goes in, not two")
+    if perm is not None and (perm.shape != (K,) or perm.dtype != torch.int64 or not perm.is_contiguous()):
+        raise ValueError(f"quant_gemv: expected a contiguous int64 input order of shape ({K},)")
     if x.shape[0] != 1 or not (c["HALF2"] or c["F16"]):
         raise ValueError("quant_gemv: the norm and SiLU x up go in at one bf16 row on the pairs paths (F16, HALF2) only")
     if norm is not None and (norm[0].shape != (K,) or norm[0].dtype != x.dtype or not norm[0].is_contiguous()):
@@ -1342,6 +1367,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                                 # [T, K]
+        if self.input_perm is not None and self.gathers(x2):                 # one row: gathered in the GEMV
+            return self.gathered(x2).reshape(*lead, self.out_features)
         if self.input_perm is not None: x2 = x2.index_select(1, self.input_perm)
         return self.matmul(x2).reshape(*lead, self.out_features)             # [..., N]
 
@@ -1362,13 +1389,16 @@ class QuantLinear(nn.Module):
                f"bias={self.bias is not None}"
 
 # %% ../nbs/08_quant.ipynb #5f1a7c0a
+def _makes_input(self: QuantLinear, x: torch.Tensor) -> bool:
+    "`fuse_input` on and one row of `x` [1, K] on a GEMV path that makes its input (`makes_input`)."
+    return (self.fuse_input and self.method in METHODS and x.shape[0] == 1 and self.use_kernels(x)
+            and makes_input(self.out_features, self.in_features, self.method, self.group_size, x.dtype, self.tuned))
+
+
 def _fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
     """Whether the layer takes `x`, the norm's input [1, K] or the gate/up output [1, 2K], before the kernel that
-    makes its input (`norm_forward`, `gate_up_forward`): `fuse_input` on, one row in the inputs' own order, and its
-    GEMV path makes inputs (`makes_input`)."""
-    return (self.fuse_input and self.method in METHODS and x.shape[0] == 1 and self.input_perm is None
-            and self.use_kernels(x)
-            and makes_input(self.out_features, self.in_features, self.method, self.group_size, x.dtype, self.tuned))
+    makes its input (`norm_forward`, `gate_up_forward`): inputs in their own order, and `_makes_input`."""
+    return self.input_perm is None and _makes_input(self, x)
 
 
 # %% ../nbs/08_quant.ipynb #5f1a7c1a
@@ -1383,7 +1413,13 @@ def _gate_up_forward(self: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor:
     return quant_gemv(gate_up, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size,
                       pdl=self.pdl, tuned=self.tuned, act=True)
 
+def _gathered(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    "self(x) of one row in act order: the GEMV gathers x[input_perm] as it loads (no `index_select` launch)."
+    return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
+                      tuned=self.tuned, perm=self.input_perm)
+
 QuantLinear.fuses_input, QuantLinear.norm_forward, QuantLinear.gate_up_forward = _fuses_input, _norm_forward, _gate_up_forward
+QuantLinear.gathers, QuantLinear.gathered = _makes_input, _gathered
 
 
 # %% ../nbs/08_quant.ipynb #95d377d9

@@ -536,7 +536,7 @@ def test_int8_pairs_ptx_compiles_for_hopper():
 MADE_COMPILE = """
 import nanoserve.quant as Q
 for method, K, g in (("int8", 3584, None), ("int4", 3584, 128), ("int8", 18944, None), ("int4", 18944, 128)):
-    made = ((1, False), (1, True)) if K == 3584 else ((2, False),)
+    made = ((1, False), (1, True), (3, False)) if K == 3584 else ((2, False),)
     for IN, res in made:
         extra = {"IN": IN, "HAS_RESIDUAL": res, "ROW_W": 2048 if IN == 1 else 1}
         ptx = Q.compile_one_row(3584, K, method, g, extra=extra).asm["ptx"]
@@ -551,7 +551,8 @@ def test_made_inputs_compile_for_hopper():
     store the new one), SiLU x up's an exponential; each waits once on the kernel before."""
     rows = [line.split() for line in compiled_run(MADE_COMPILE).splitlines() if line.strip()]
     got = {(m, int(i), int(r)): tuple(map(int, rest)) for m, i, r, *rest in rows}
-    assert set(got) == {(m, 1, r) for m in ("int8", "int4") for r in (0, 1)} | {("int8", 2, 0), ("int4", 2, 0)}, got
+    assert set(got) == ({(m, 1, r) for m in ("int8", "int4") for r in (0, 1)}
+                        | {(m, made, 0) for m in ("int8", "int4") for made in (2, 3)}), got
     for (m, made, res), (wait, sqrt, ex2, stores) in got.items():
         assert wait == 1 and (sqrt > 0) == (made == 1) and (ex2 > 0) == (made == 2), (m, made, got)
     for m in ("int8", "int4"):

@@ -82,7 +82,7 @@ def test_what_cannot_be_made_is_refused():
     x, nw = torch.randn(1, 512).bfloat16(), torch.ones(512).bfloat16()
     args = (q8.qweight, q8.scales, q8.zeros, None, "int8")
     with pytest.raises(ValueError, match="pairs paths"): Q.quant_gemv(torch.randn(2, 512).bfloat16(), *args, norm=(nw, 1e-6))
-    with pytest.raises(ValueError, match="not both"): Q.quant_gemv(x, *args, norm=(nw, 1e-6), act=True)
+    with pytest.raises(ValueError, match="not two"): Q.quant_gemv(x, *args, norm=(nw, 1e-6), act=True)
     with pytest.raises(ValueError, match="norm weight"): Q.quant_gemv(x, *args, norm=(nw.float(), 1e-6))
     with pytest.raises(ValueError, match="needs a norm"): Q.quant_gemv(x, *args, residual=x)
 
@@ -121,3 +121,25 @@ def test_the_decoder_hands_quantized_layers_their_inputs_at_one_row(method, monk
     fused = one_token_logits(m)
     assert calls == ["norm", "x", "norm", "act"] * 2                     # QKV, o, gate/up, down; two layers
     assert rel(fused, apart) < 3e-2
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_one_act_order_row_is_gathered_in_the_gemv(method, monkeypatch):
+    """A layer with an input order (a GPTQ act-order checkpoint's) at one row: with `fuse_input` the GEMV reads
+    x[perm] as it loads, the same products as the gathered row through the same path, bit for bit; no
+    `index_select` runs. Off, or at two rows, the row is gathered first, as before."""
+    g = torch.Generator().manual_seed(8)
+    q = layer(method, N=128, K=512)
+    q.input_perm = torch.randperm(512, generator=g)
+    x = torch.randn(1, 512, generator=g).bfloat16()
+    want = Q.quant_gemv(x[:, q.input_perm].contiguous(), q.qweight, q.scales, q.zeros, None, method, q.group_size)
+    selects = []
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: (selects.append(a), torch.index_select(self, *a))[1])
+    assert q.gathers(x) and torch.equal(q(x), want) and not selects
+    q.fuse_input = False
+    assert not q.gathers(x) and torch.equal(q(x), want) and len(selects) == 1
+    q.fuse_input = True
+    two = torch.randn(2, 512, generator=g).bfloat16()
+    assert not q.gathers(two) and q(two).shape == (2, 128) and len(selects) == 2
+    with pytest.raises(ValueError, match="input order"):
+        Q.quant_gemv(x, q.qweight, q.scales, q.zeros, None, method, q.group_size, perm=q.input_perm.int())
