@@ -41,7 +41,8 @@ def one_rows(B: int, V: int, device, dtype) -> dict:
     nbytes = x.numel() * x.element_size()
     copies = [x] + [x.clone() for _ in range(copies_for_l2(nbytes, device) - 1)]
     ways = {"torch": lambda i: (lambda: copies[i].argmax(-1))}
-    ways.update({f"argmax_rows {b}": (lambda b: lambda i: (lambda: argmax_rows(copies[i], block=b)))(b) for b in BLOCKS})
+    for b in BLOCKS:
+        ways[f"argmax_rows {b}"] = (lambda b: lambda i: (lambda: argmax_rows(copies[i], block=b)))(b)
     us = {k: graph_bench(f, nbytes, device=device) for k, f in ways.items()}
     best = min((k for k in us if k != "torch"), key=lambda k: median(us[k]))
     row = {"rows": B, "vocab": V, "us": us, "disagree": {k: disagree(*v[:2]) for k, v in us.items() if len(v) > 1},

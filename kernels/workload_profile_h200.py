@@ -95,7 +95,8 @@ def idle_us(kernels: list[dict]) -> float:
 
 
 def by_width(steps, rows) -> dict:
-    "Per width class: steps, device-busy us per class summed over its steps, and the steps' spans (first to last kernel)."
+    """Per width class: steps, device-busy us per class summed over its steps, the steps' spans (first to last
+    kernel) and idle time, and their decode context tokens."""
     out = defaultdict(lambda: {"steps": 0, "span_us": 0.0, "us": defaultdict(float), "decode_only": 0,
                                "kv_tokens": 0})
     for ks, row in zip(steps, rows):

@@ -805,8 +805,8 @@ def _int4_pairs_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_beg
                     ASM: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr, res_ptr, new_res_ptr,
                     norm_w_ptr, perm_ptr, eps, K, store, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     ROW_W: tl.constexpr):
-    """INT4 words, one bf16 row, a group a tile: two weights an instruction, the zero point in the pairs -> [1, BLOCK_N].
-    The inputs x's own (`IN` = 0) or made as they load (`_in_words`)."""
+    """INT4 words, one bf16 row, a group a tile: two weights an instruction, the zero point in the pairs
+    -> [1, BLOCK_N]. The inputs x's own (`IN` = 0) or made as they load (`_in_words`)."""
     NW: tl.constexpr = GROUP // 8
     j = tl.arange(0, NW)
     wp = qweight_ptr + _qw_rows(n0, BLOCK_N, TILE, stride_qb, stride_qn)[:, None] + j[None, :]   # [BLOCK_N, NW]
@@ -879,7 +879,8 @@ def _int4_words_row(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, offs_n, n0, t_beg
 @triton.jit
 def quant_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K,
                       tiles_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_qb, stride_qg, stride_sg,
-                      res_ptr, new_res_ptr, norm_w_ptr, perm_ptr, eps, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      res_ptr, new_res_ptr, norm_w_ptr, perm_ptr, eps,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, SPLIT: tl.constexpr,
                       PAIRS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False,
                       WORDS: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = "",
@@ -1306,7 +1307,7 @@ def check_made_input(x, K: int, c: Mapping, norm: tuple | None, residual: torch.
     if perm is not None and (perm.shape != (K,) or perm.dtype != torch.int64 or not perm.is_contiguous()):
         raise ValueError(f"quant_gemv: expected a contiguous int64 input order of shape ({K},)")
     if x.shape[0] != 1 or not (c["HALF2"] or c["F16"]):
-        raise ValueError("quant_gemv: the norm and SiLU x up go in at one bf16 row on the pairs paths (F16, HALF2) only")
+        raise ValueError("quant_gemv: a made input goes in at one bf16 row on the pairs paths (F16, HALF2) only")
     if norm is not None and (norm[0].shape != (K,) or norm[0].dtype != x.dtype or not norm[0].is_contiguous()):
         raise ValueError(f"quant_gemv: expected a contiguous {x.dtype} norm weight of shape ({K},)")
     if residual is not None and (norm is None or residual.shape != x.shape or residual.dtype != x.dtype
@@ -1418,7 +1419,8 @@ def _gathered(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
                       tuned=self.tuned, perm=self.input_perm)
 
-QuantLinear.fuses_input, QuantLinear.norm_forward, QuantLinear.gate_up_forward = _fuses_input, _norm_forward, _gate_up_forward
+QuantLinear.fuses_input, QuantLinear.norm_forward = _fuses_input, _norm_forward
+QuantLinear.gate_up_forward = _gate_up_forward
 QuantLinear.gathers, QuantLinear.gathered = _makes_input, _gathered
 
 

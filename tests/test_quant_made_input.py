@@ -63,7 +63,8 @@ def test_the_norm_taken_in_gives_the_unfused_products(method, residual):
     norm = RMSNorm(512).bfloat16()
     with torch.no_grad(): norm.weight.uniform_(0.5, 1.5, generator=g)
     out, new_res = q.norm_forward(norm, x, r)
-    normed, want_res = add_rmsnorm_ref(x, r, norm.weight, norm.eps) if residual else (add_rmsnorm_ref(x, None, norm.weight, norm.eps), x)
+    if residual: normed, want_res = add_rmsnorm_ref(x, r, norm.weight, norm.eps)
+    else: normed, want_res = add_rmsnorm_ref(x, None, norm.weight, norm.eps), x
     assert torch.equal(new_res, want_res)
     want = quant_matmul_ref(normed.float(), q.qweight, q.scales, q.zeros, q.bias.float(), method, q.group_size)
     assert out.dtype == torch.bfloat16 and rel(out, want) < 1e-2
@@ -81,7 +82,8 @@ def test_what_cannot_be_made_is_refused():
     q8 = layer("int8")
     x, nw = torch.randn(1, 512).bfloat16(), torch.ones(512).bfloat16()
     args = (q8.qweight, q8.scales, q8.zeros, None, "int8")
-    with pytest.raises(ValueError, match="pairs paths"): Q.quant_gemv(torch.randn(2, 512).bfloat16(), *args, norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="pairs paths"):
+        Q.quant_gemv(torch.randn(2, 512).bfloat16(), *args, norm=(nw, 1e-6))
     with pytest.raises(ValueError, match="not two"): Q.quant_gemv(x, *args, norm=(nw, 1e-6), act=True)
     with pytest.raises(ValueError, match="norm weight"): Q.quant_gemv(x, *args, norm=(nw.float(), 1e-6))
     with pytest.raises(ValueError, match="needs a norm"): Q.quant_gemv(x, *args, residual=x)
@@ -116,8 +118,8 @@ def test_the_decoder_hands_quantized_layers_their_inputs_at_one_row(method, monk
     m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, quant_made_input=True))
     assert all(mod.fuse_input for mod in m.modules() if isinstance(mod, QuantLinear))
     calls, real = [], Q.quant_gemv
-    monkeypatch.setattr(Q, "quant_gemv", lambda *a, **k: (calls.append("norm" if k.get("norm") else
-                                                                        "act" if k.get("act") else "x"), real(*a, **k))[1])
+    made = lambda k: "norm" if k.get("norm") else "act" if k.get("act") else "x"
+    monkeypatch.setattr(Q, "quant_gemv", lambda *a, **k: (calls.append(made(k)), real(*a, **k))[1])
     fused = one_token_logits(m)
     assert calls == ["norm", "x", "norm", "act"] * 2                     # QKV, o, gate/up, down; two layers
     assert rel(fused, apart) < 3e-2
@@ -134,7 +136,8 @@ def test_one_act_order_row_is_gathered_in_the_gemv(method, monkeypatch):
     x = torch.randn(1, 512, generator=g).bfloat16()
     want = Q.quant_gemv(x[:, q.input_perm].contiguous(), q.qweight, q.scales, q.zeros, None, method, q.group_size)
     selects = []
-    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: (selects.append(a), torch.index_select(self, *a))[1])
+    select = lambda self, *a: (selects.append(a), torch.index_select(self, *a))[1]
+    monkeypatch.setattr(torch.Tensor, "index_select", select)
     assert q.gathers(x) and torch.equal(q(x), want) and not selects
     q.fuse_input = False
     assert not q.gathers(x) and torch.equal(q(x), want) and len(selects) == 1
