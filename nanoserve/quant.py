@@ -1291,10 +1291,19 @@ def quant_matmul(x, qweight, scales, zeros, bias, method: str, group_size: int |
 def makes_input(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype,
                 tuned: Mapping | None = None) -> bool:
     """Whether one `dtype` row through an [N, K] layer goes to `quant_gemv` on a path that can make its own input
-    (the norm's, or SiLU x up: `F16`, `HALF2`), as `quant_matmul` would route it."""
+    (the norm's, SiLU x up, a gather: `F16`, `HALF2`), as `quant_matmul` would route it. Every quantized layer of an
+    eager one-row step asks: the table's path is kept per shape (`tuned`, an A/B's entry, is looked up anew)."""
     if quant_tables()["few_rows_gemm"].get((method, N, K)) is not None and not one_row_f16(N, K, method, dtype):
         return False                                                     # the GEMM takes this one row
+    if tuned is None: return _pairs_path(N, K, method, group_size, dtype)
     c = gemv_launch(1, N, K, method, group_size, dtype, 132, tuned=tuned)["constexprs"]
+    return bool(c["HALF2"] or c["F16"])
+
+
+@functools.cache
+def _pairs_path(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype) -> bool:
+    "Whether the table's one-row GEMV for the shape reads x as bf16 pairs."
+    c = gemv_launch(1, N, K, method, group_size, dtype, 132)["constexprs"]
     return bool(c["HALF2"] or c["F16"])
 
 
