@@ -1295,16 +1295,17 @@ def makes_input(N: int, K: int, method: str, group_size: int | None, dtype: torc
     eager one-row step asks: the table's path is kept per shape (`tuned`, an A/B's entry, is looked up anew)."""
     if quant_tables()["few_rows_gemm"].get((method, N, K)) is not None and not one_row_f16(N, K, method, dtype):
         return False                                                     # the GEMM takes this one row
-    if tuned is None: return _pairs_path(N, K, method, group_size, dtype)
+    if tuned is None: return _table_pairs_path(N, K, method, group_size, dtype)
+    return _pairs_path(N, K, method, group_size, dtype, tuned)
+
+
+def _pairs_path(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype,
+                tuned: Mapping | None = None) -> bool:
+    "Whether the one-row GEMV for the shape reads x as bf16 pairs."
     c = gemv_launch(1, N, K, method, group_size, dtype, 132, tuned=tuned)["constexprs"]
     return bool(c["HALF2"] or c["F16"])
 
-
-@functools.cache
-def _pairs_path(N: int, K: int, method: str, group_size: int | None, dtype: torch.dtype) -> bool:
-    "Whether the table's one-row GEMV for the shape reads x as bf16 pairs."
-    c = gemv_launch(1, N, K, method, group_size, dtype, 132)["constexprs"]
-    return bool(c["HALF2"] or c["F16"])
+_table_pairs_path = functools.cache(_pairs_path)                        # the table's answer, once a shape
 
 
 # %% ../nbs/08_quant.ipynb #5f1a7c17
