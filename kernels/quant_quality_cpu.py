@@ -8,11 +8,12 @@ Writes quant_quality_cpu.json (run metadata inside), which the quantization chap
   no group of 32 or more) and fp8 W8A8 (`quantization="fp8"`: e4m3 weights and activations, method "fp8"), with and
   without the LM head quantized: the logits' relative error, the mean KL(full ||
   quantized) a token, top-1 agreement and the perplexity against the full-precision model; and the K/V cache in fp8
-  e4m3 with full-precision weights ("kv_fp8": every key and value rounded as the engine's fp8 cache stores it);
+  e4m3 and in int8 with a scale a row, with full-precision weights ("kv_fp8", "kv_int8": every key and value rounded as
+  the engine's cache of that dtype stores it);
   and the weights as fp8 checkpoints store them ("fp8 128x128": e4m3 with a scale per 128 x 128 block of each
   projection, as Qwen3's releases; "fp8 tensor": one scale a projection), dequantized as the loader reads them;
 - 0.5B: all 24 layers of the 0.5B shape with random weights (std 0.02) in fp32, 128 random tokens, one forward per
-  format, INT8, INT4 in groups of 32, 64 and 128, fp8 W8A8, kv_fp8 and the fp8 checkpoints' weights: the same measures but perplexity
+  format, INT8, INT4 in groups of 32, 64 and 128, fp8 W8A8, kv_fp8, kv_int8 and the fp8 checkpoints' weights: the same measures but perplexity
   (random targets mean nothing).
 Checked before it is written: INT8 closer than INT4 on both, INT4's error falling with the group on the 0.5B shape.
 `--smoke`: the same code, two short rows of the tiny model and a two-layer random model of the tiny shape.
@@ -25,7 +26,7 @@ from lab import is_smoke, parser, write
 
 import torch
 
-from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM, SHAPES, load_model
+from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM, SHAPES, load_model, make_kv_cache
 from nanoserve.quant import fp8_dequantize, fp8_quantize, logit_quality, quantize_model
 from nanoserve.tokenizer import default_model
 from nanoserve.train import heldout_rows
@@ -33,7 +34,7 @@ from nanoserve.train import heldout_rows
 TINY_CONFIGS = [("int8", None, False), ("int4", 16, False), ("int4", 8, False), ("fp8", None, False),
                 ("int8", None, True), ("int4", 16, True), ("fp8", None, True)]
 BIG_CONFIGS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("fp8", None)]
-FP8 = torch.float8_e4m3fn      # the K/V cache's fp8 (the weights full precision): method "kv_fp8" in the results
+KV_CACHES = (("kv_fp8", torch.float8_e4m3fn), ("kv_int8", torch.int8))   # one-byte caches, the weights full precision
 FP8_WEIGHTS = (("fp8 128x128", (128, 128)), ("fp8 tensor", None))     # fp8 checkpoints' weight scales
 
 
@@ -55,8 +56,8 @@ def sequence_logits(model, ids: torch.Tensor, block_size: int = 16, cache_dtype:
     dev = model.norm.weight.device
     dtype = cache_dtype or model.norm.weight.dtype
     nb = -(-T // block_size)
-    caches = [tuple(torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
-                    for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
+    cache = make_kv_cache(cfg.num_hidden_layers, nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
+    caches = [(c[0], c[1]) for c in cache]                                            # each layer's (keys, values)
     table = torch.arange(nb, device=dev)
     meta = AttentionMetadata(torch.arange(T, device=dev), prefills=[PrefillChunk(0, T, 0, table)],
                              prefill_block_tables=table[None], prefill_cu_q_lens=torch.tensor([0, T], device=dev),
@@ -95,10 +96,12 @@ def tiny_quality(smoke: bool) -> dict:
                     "ppl_quant": math.exp(qual["nll_quant"]), "weight_bytes_before": rep.weight_bytes_before,
                     "weight_bytes_after": rep.weight_bytes_after})
         print(out[-1], flush=True)
-    qual = logit_quality(ref, torch.cat([sequence_logits(tiny, r[:-1], cache_dtype=FP8) for r in rows]), targets)
-    out.append({"method": "kv_fp8", "group_size": None, "lm_head": False, **qual, "ppl_ref": math.exp(qual["nll_ref"]),
-                "ppl_quant": math.exp(qual["nll_quant"])})
-    print(out[-1], flush=True)
+    for method, cache_dtype in KV_CACHES:
+        qual = logit_quality(ref, torch.cat([sequence_logits(tiny, r[:-1], cache_dtype=cache_dtype) for r in rows]),
+                             targets)
+        out.append({"method": method, "group_size": None, "lm_head": False, **qual,
+                    "ppl_ref": math.exp(qual["nll_ref"]), "ppl_quant": math.exp(qual["nll_quant"])})
+        print(out[-1], flush=True)
     for method, block in FP8_WEIGHTS:
         m, before, stored = fp8_weights(tiny, block)
         qual = logit_quality(ref, logits(m), targets)
@@ -124,9 +127,12 @@ def big_quality(smoke: bool) -> dict:
                     "weight_bytes_before": rep.weight_bytes_before, "weight_bytes_after": rep.weight_bytes_after})
         print(out[-1], flush=True)
         del m
-    t0 = time.perf_counter(); qual = logit_quality(ref, sequence_logits(big, ids, cache_dtype=FP8)); f_s = time.perf_counter() - t0
-    out.append({"method": "kv_fp8", "group_size": None, "lm_head": False, **qual, "forward_s": f_s})
-    print(out[-1], flush=True)
+    for method, cache_dtype in KV_CACHES:
+        t0 = time.perf_counter()
+        qual = logit_quality(ref, sequence_logits(big, ids, cache_dtype=cache_dtype))
+        out.append({"method": method, "group_size": None, "lm_head": False, **qual,
+                    "forward_s": time.perf_counter() - t0})
+        print(out[-1], flush=True)
     for method, block in FP8_WEIGHTS:
         m, before, stored = fp8_weights(big, block)
         qual = logit_quality(ref, sequence_logits(m, ids))

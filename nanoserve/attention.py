@@ -17,11 +17,12 @@ from .runtime import (
     INTERPRET, add_fn, launch_options, max_fn, num_sms, pdl_launch_next, pdl_wait, row_max, row_sum, split_counters)
 
 # %% auto #0
-__all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'rope_cache_kernel', 'rope_cache',
-           'decode_attention_ref', 'paged_kv', 'query_for_cache', 'online_softmax', 'attend_tile', 'head_norm_pair',
-           'decode_rope', 'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel',
-           'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits',
-           'split_buffers', 'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
+__all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'int8_rows', 'int8_round', 'scale_ptrs',
+           'store_halves', 'rope_cache_kernel', 'rope_cache', 'decode_attention_ref', 'paged_kv', 'paged_kv_early',
+           'query_for_cache', 'online_softmax', 'attend_tile', 'head_norm_pair', 'decode_rope', 'store_out',
+           'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel', 'decode_reduce_kernel',
+           'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits', 'split_buffers',
+           'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
            'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
@@ -59,12 +60,51 @@ def qk_norm_args(qkv: torch.Tensor, qk_norm: tuple | None) -> tuple:
     "The kernels' (q weight, k weight, eps) arguments; without a norm any pointer and 0."
     return (qkv, qkv, 0.0) if qk_norm is None else (qk_norm[0], qk_norm[1], float(qk_norm[2]))
 
+# %% ../nbs/06_attention.ipynb #b1c2d301
+@triton.jit
+def int8_rows(x, amax):
+    """Rows `x` (fp32) as int8 values and their scales, each row's largest magnitude `amax` mapped to 127 (the model
+    chapter's `quantize_kv`, the same operations)."""
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    values = tl.minimum(tl.maximum(tl.floor(x * inv + 0.5), -127.0), 127.0).to(tl.int8)
+    return values, amax / 127.0
+
+
+@triton.jit
+def int8_round(x, MODEL_DTYPE: tl.constexpr):
+    "Rows `x` [R, D] (fp32) rounded to the model's dtype (as the reference's are), as int8 values and scales [R, 1]."
+    x = x.to(MODEL_DTYPE).to(tl.float32)
+    return int8_rows(x, tl.max(tl.abs(x), 1)[:, None])
+
+
+@triton.jit
+def scale_ptrs(cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    "Where an int8 cache keeps the fp32 scales of rows (block `blk`, offset, KV head `kvh`): after the block's values."
+    scales = (cache_ptr + blk * stride_cb + BLOCK_SIZE * stride_cs).to(tl.pointer_type(tl.float32))
+    return scales + offset * (stride_cs // stride_ch) + kvh
+
 # %% ../nbs/06_attention.ipynb #06ceca81
 @triton.jit
+def store_halves(cache_ptr, x1, x2, dst, mask, blk, offset, h, stride_cb, stride_cs, stride_ch,
+                 BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, MODEL_DTYPE: tl.constexpr):
+    """Rows held as halves [BLOCK_H, HALF] into their cache slots at `dst`, in the cache's dtype; an int8 cache's from
+    the model's dtype (as the reference rounds them first), with each row's scale."""
+    if cache_ptr.dtype.element_ty.is_int8():
+        x1, x2 = x1.to(MODEL_DTYPE).to(tl.float32), x2.to(MODEL_DTYPE).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))[:, None]                  # [BLOCK_H, 1]
+        x1, scale = int8_rows(x1, amax)
+        x2, _ = int8_rows(x2, amax)
+        tl.store(scale_ptrs(cache_ptr, blk, offset, h[:, None], stride_cb, stride_cs, stride_ch, BLOCK_SIZE), scale,
+                 mask=mask)
+    tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                      stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_cache_slot, stride_cache_h,
+                      stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_cb, stride_cs, stride_ch,
                       q_norm_ptr, k_norm_ptr, eps,
-                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, QK_NORM: tl.constexpr = False,
                       PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
@@ -95,16 +135,18 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_
         k2 = tl.load(kr + HALF, mask=km, other=0.0).to(tl.float32)
         if QK_NORM:
             k1, k2 = halves_rms_norm(k1, k2, k_norm_ptr, d, eps, HALF)
-        dst = slot * stride_cache_slot + h[:, None] * stride_cache_h + d[None, :]
-        tl.store(k_cache_ptr + dst, (k1 * cos - k2 * sin).to(k_cache_ptr.dtype.element_ty), mask=km)
-        tl.store(k_cache_ptr + dst + HALF, (k2 * cos + k1 * sin).to(k_cache_ptr.dtype.element_ty), mask=km)
+        blk, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = blk * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
+        k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
         v1 = tl.load(vr, mask=km, other=0.0)
         v2 = tl.load(vr + HALF, mask=km, other=0.0)
         if UPCAST:
             v1 = v1.to(tl.float32)
             v2 = v2.to(tl.float32)
-        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=km)
-        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=km)
+        store_halves(k_cache_ptr, k1, k2, dst, km, blk, offset, h, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HALF,
+                     qkv_ptr.dtype.element_ty)
+        store_halves(v_cache_ptr, v1, v2, dst, km, blk, offset, h, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HALF,
+                     qkv_ptr.dtype.element_ty)
 
 
 # %% ../nbs/06_attention.ipynb #fda8db26
@@ -114,13 +156,14 @@ def rope_cache(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, nu
     [T, H, D]. `qk_norm` = (q weight [D], k weight [D], eps): each head normalised first."""
     T = qkv.shape[0]
     head_dim = k_cache.shape[-1]
-    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0: return q
     rope_cache_kernel[(T,)](qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
                             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
-                            k_cache.stride(1), k_cache.stride(2), *qk_norm_args(qkv, qk_norm),
+                            *k_cache.stride()[:3], *qk_norm_args(qkv, qk_norm),
                             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                            BLOCK_SIZE=k_cache.shape[1],
                             BLOCK_H=triton.next_power_of_2(num_heads), UPCAST=INTERPRET, QK_NORM=qk_norm is not None,
                             PDL=pdl,
                             **launch_options(pdl))
@@ -136,11 +179,30 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale:
 def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
              BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
     """Keys and values [TILE_N, D] of positions `pos` of one sequence (block table row at `table_ptr`), KV head `kvh`,
-    in `DTYPE` (the query's: an fp8 cache is widened here, as it is read)."""
+    in `DTYPE` (the query's: an fp8 cache is widened here, as it is read; an int8 cache's rows times their scales)."""
     blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-    k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0).to(DTYPE)
-    v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0).to(DTYPE)
+    k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
+    if k_cache_ptr.dtype.element_ty.is_int8():
+        where = pos % BLOCK_SIZE
+        ks = tl.load(scale_ptrs(k_cache_ptr, blk, where, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE), mask=valid)
+        vs = tl.load(scale_ptrs(v_cache_ptr, blk, where, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE), mask=valid)
+        k, v = k.to(tl.float32) * ks[:, None], v.to(tl.float32) * vs[:, None]
+    return k.to(DTYPE), v.to(DTYPE)
+
+
+@triton.jit
+def paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+                   BLOCK_SIZE: tl.constexpr):
+    """`paged_kv` before the query's dtype is settled: tiles in the cache's own dtype (fp8 stays one byte a value in
+    registers), an int8 cache's scaled into the dtype of `q_ptr`'s values."""
+    if k_cache_ptr.dtype.element_ty.is_int8():
+        k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+                        BLOCK_SIZE, q_ptr.dtype.element_ty)
+    else:
+        k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+                        BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
     return k, v
 
 
@@ -189,8 +251,8 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
                 NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 TILE_N: tl.constexpr, QK_NORM: tl.constexpr):
     """(query heads [BLOCK_G, D], key [1, D], value [1, D]) of token `seq`'s QKV row, query and key rotated, key and
-    value rounded to the cache's dtype. They go to the token's cache slot too, written by the program whose tiles
-    [t_begin, t_end) hold the token (the context's last)."""
+    value rounded to the cache's dtype (an int8 cache's times their scales, as a read gives them). They go to the
+    token's cache slot too, written by the program whose tiles [t_begin, t_end) hold the token (the context's last)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     row = q_ptr + seq * stride_qt
     first = (d < HALF)[None, :]
@@ -207,15 +269,28 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
     kb = tl.load(k_row + partner).to(tl.float32)[None, :]
     if QK_NORM:
         ka, kb = head_norm_pair(ka, kb, k_norm_ptr, d, partner, eps, HEAD_DIM)
-    k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin).to(k_cache_ptr.dtype.element_ty)  # [1, D]
-    v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(v_cache_ptr.dtype.element_ty)[None, :]
+    k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin)                              # [1, D] fp32
+    v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(tl.float32)[None, :]
+    INT8: tl.constexpr = k_cache_ptr.dtype.element_ty.is_int8()
+    if INT8:                                          # int8 values [1, D] and their scales [1, 1]
+        k_new, k_scale = int8_round(k_new, q_ptr.dtype.element_ty)
+        v_new, v_scale = int8_round(v_new, q_ptr.dtype.element_ty)
+    else:
+        k_new, v_new = k_new.to(k_cache_ptr.dtype.element_ty), v_new.to(v_cache_ptr.dtype.element_ty)
     last = ctx - 1                                    # the new token's position; its split writes it
     slot = tl.load(slot_mapping_ptr + seq)
     if (slot >= 0) & (last // TILE_N >= t_begin) & (last // TILE_N < t_end):
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kvh * stride_ch + d[None, :]
+        blk, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = blk * stride_cb + offset * stride_cs + kvh * stride_ch + d[None, :]
         tl.store(k_cache_ptr + dst, k_new)
         tl.store(v_cache_ptr + dst, v_new)
+        if INT8:
+            one = tl.zeros([1, 1], tl.int32)
+            tl.store(scale_ptrs(k_cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE) + one, k_scale)
+            tl.store(scale_ptrs(v_cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE) + one, v_scale)
     tl.debug_barrier()                                # the slot written before any thread of the program reads it
+    if INT8:                                          # as a read of the slot gives them back
+        k_new, v_new = k_new.to(tl.float32) * k_scale, v_new.to(tl.float32) * v_scale
     return q, k_new, v_new
 
 # %% ../nbs/06_attention.ipynb #3f8b1d57
@@ -301,8 +376,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     heads, gm = kvh * G + g, g[:, None] < G
     table_ptr = block_tables_ptr + seq * stride_bt
     pos = t_begin * TILE_N + n              # the first tile: its older keys in flight while the kernels before finish
-    k_old, v_old = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, (pos < ctx - 1) & (t_begin < t_end), kvh, d,
-                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
+    k_old, v_old = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, table_ptr, pos, (pos < ctx - 1) & (t_begin < t_end),
+                                  kvh, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     if PREFETCH: pdl_wait(PDL)              # the query and this step's key and value come from the kernels before
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
         q, k_new, v_new = decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, seq, ctx,
@@ -311,8 +386,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                                       TILE_N, QK_NORM)
     else:           # this step's key and value are in the cache (`rope_cache` wrote them)
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
-        k_new, v_new = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos == ctx - 1, kvh, d, stride_cb,
-                                stride_cs, stride_ch, BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
+        k_new, v_new = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, table_ptr, pos, pos == ctx - 1, kvh, d,
+                                      stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     if UPCAST: q = q.to(tl.float32)
     q = query_for_cache(q, k_cache_ptr)
     is_new = (pos == ctx - 1)[:, None]      # the first tile holds this step's token: its key from registers

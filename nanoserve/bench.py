@@ -22,12 +22,13 @@ from .tokenizer import cache_root, default_model, ensure_default_model, random_h
 from .yardsticks import run_hf_continuous, run_hf_static
 
 # %% auto #0
-__all__ = ['DISAGREE', 'FAMILY_CONFIGS', 'SHAPE_CONFIGS', 'WorkloadSpec', 'BenchRequest', 'make_workload', 'poisson_send_times',
-           'percentile', 'summarize', 'run_params', 'warm_up_engine', 'PausedClock', 'ProfileWindow', 'request_record',
-           'run_result', 'run_nanoserve', 'parse_engine', 'run_worker', 'worker_main', 'model_limits', 'physical_limit',
-           'run_benchmark', 'failure_reason', 'report', 'plot_results', 'shape_config', 'random_checkpoint',
-           'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args', 'engine_kwargs_from_args',
-           'results_path', 'save_results', 'write_results', 'model_dir_from_args', 'run_command', 'main']
+__all__ = ['DISAGREE', 'KV_BYTES_A_VALUE', 'FAMILY_CONFIGS', 'SHAPE_CONFIGS', 'WorkloadSpec', 'BenchRequest', 'make_workload',
+           'poisson_send_times', 'percentile', 'summarize', 'run_params', 'warm_up_engine', 'PausedClock',
+           'ProfileWindow', 'request_record', 'run_result', 'run_nanoserve', 'parse_engine', 'run_worker',
+           'worker_main', 'model_limits', 'physical_limit', 'run_benchmark', 'failure_reason', 'report', 'plot_results',
+           'shape_config', 'random_checkpoint', 'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args',
+           'engine_kwargs_from_args', 'results_path', 'save_results', 'write_results', 'model_dir_from_args',
+           'run_command', 'main']
 
 # %% ../nbs/15_bench.ipynb #6ce7af63
 @dataclass(frozen=True)
@@ -422,6 +423,9 @@ def _repeat(job: dict, repeats: int, run_one: Callable[[dict], dict], progress: 
     return reps
 
 # %% ../nbs/15_bench.ipynb #29caa6d5
+KV_BYTES_A_VALUE = MappingProxyType({"fp8": lambda head_dim: 1, "int8": lambda head_dim: 1 + 4 / head_dim})  # + scales
+
+
 def physical_limit(model_dir, requests: list[BenchRequest], engine_kwargs: dict | None) -> dict | None:
     "The workload's physical limit on this machine's device (`measure.workload_limit`); None for quantized weights."
     kw = engine_kwargs or {}
@@ -434,7 +438,7 @@ def physical_limit(model_dir, requests: list[BenchRequest], engine_kwargs: dict 
     max_num_seqs = kw.get("max_num_seqs") or BatchConfig().max_num_seqs
     lim = workload_limit(cfg, [len(r.prompt_token_ids) for r in requests], [r.max_tokens for r in requests],
                          max_num_seqs, bw, rate, dtype_bytes=4 if dtype == "float32" else 2,
-                         kv_dtype_bytes=1 if kw.get("kv_cache_dtype") == "fp8" else None)
+                         kv_dtype_bytes=KV_BYTES_A_VALUE.get(kw.get("kv_cache_dtype"), lambda d: None)(cfg.head_dim))
     return lim | {"device": str(device), "dtype": dtype, "disagree": bw_flag or rate_flag}
 
 # %% ../nbs/15_bench.ipynb #f0a4670c
@@ -670,8 +674,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve engines: GPUs per engine")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
                    help="nanoserve engines: weight-only int8/int4, or fp8 weights and activations")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="nanoserve engines: the K/V cache's dtype (auto: the model's; fp8: e4m3, twice the blocks)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="nanoserve engines: the K/V cache's dtype (auto: the model's; fp8: e4m3; int8: a scale a row)")
     p.add_argument("--scheduling", default="auto", choices=["auto", "async", "sync"],
                    help="nanoserve engines: prepare step N+1 while step N runs (auto: async on a GPU)")
     p.add_argument("--no-mixed-step-graphs", action="store_true",

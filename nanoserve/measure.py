@@ -442,9 +442,9 @@ def prefill_flops(config, num_tokens: int) -> float:
 # %% ../nbs/13_measure.ipynb #b46bc73c
 def workload_limit(config, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
                    bandwidth_GBps: float, matmul_TFLOPs: float, dtype_bytes: int = 2,
-                   kv_dtype_bytes: int | None = None) -> dict:
+                   kv_dtype_bytes: float | None = None) -> dict:
     """The least time a workload can take on a device with these rates, and its output tokens a second (see above).
-    `kv_dtype_bytes`: the K/V cache's bytes a value (1 for fp8; None: `dtype_bytes`)."""
+    `kv_dtype_bytes`: the K/V cache's bytes a value (1 for fp8, 1 + 4 / head_dim for int8; None: `dtype_bytes`)."""
     decode = [max(0, n - 1) for n in output_lens]                # each request's first token comes from its prefill
     steps = max(max(decode, default=0), -(-sum(decode) // max_num_seqs))
     weight = steps * model_weight_bytes(config, dtype_bytes)

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['FAMILIES', 'ROPE_TYPES', 'TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields', 'read_config_json',
-           'RopeScaling', 'ModelConfig', 'max_model_len_for', 'RMSNorm', 'rope_inv_freq', 'RotaryEmbedding',
-           'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'write_kv', 'decode_attention_ref',
-           'prefill_attention_ref', 'attend_ref', 'paged_attention_ref', 'ModelKernels', 'takes_input', 'linear',
-           'rms_norm', 'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
-           'Qwen2ForCausalLM', 'load_state_dict', 'model_from_state_dict', 'load_model']
+__all__ = ['FAMILIES', 'ROPE_TYPES', 'KV_SCALE_BYTES', 'TORCH_KERNELS', 'SHAPES', 'check_supported', 'hf_config_fields',
+           'read_config_json', 'RopeScaling', 'ModelConfig', 'max_model_len_for', 'RMSNorm', 'rope_inv_freq',
+           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'make_kv_cache',
+           'kv_scales', 'quantize_kv', 'write_kv', 'read_kv', 'decode_attention_ref', 'prefill_attention_ref',
+           'attend_ref', 'paged_attention_ref', 'ModelKernels', 'takes_input', 'linear', 'rms_norm', 'mlp_gemv',
+           'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM',
+           'load_state_dict', 'model_from_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 FAMILIES = MappingProxyType({       # model_type -> what its config.json leaves out
@@ -296,27 +297,71 @@ class AttentionMetadata:
     decode_num_splits: int | None = None              # split-K for the decode kernel (None: its own rule)
     prefill_tile_map: torch.Tensor | None = None      # [2, tiles] (chunk, tile) per prefill program (graph replay)
 
+# %% ../nbs/02_model.ipynb #a1b2c302
+KV_SCALE_BYTES = 4      # an int8 cache: one fp32 scale per (token, KV head), after its block's values
+
+
+def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Zeros [layers, 2 (keys, values), num_blocks, block_size, kv_heads, head_dim] in one allocation; an int8
+    cache's blocks end with their rows' scales, which the view steps over."""
+    values = block_size * kv_heads * head_dim
+    per_block = values + (KV_SCALE_BYTES * block_size * kv_heads if dtype == torch.int8 else 0)
+    raw = torch.zeros(num_layers, 2, num_blocks, per_block, dtype=dtype, device=device)    # [L, 2, N, per_block]
+    return raw.as_strided((num_layers, 2, num_blocks, block_size, kv_heads, head_dim),
+                          (2 * num_blocks * per_block, num_blocks * per_block, per_block, kv_heads * head_dim,
+                           head_dim, 1))
+
+# %% ../nbs/02_model.ipynb #a1b2c303
+def kv_scales(cache: torch.Tensor) -> torch.Tensor:
+    "An int8 cache's fp32 scales [num_blocks, block_size, kv_heads], a view of the bytes after each block's values."
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    first = cache.storage_offset() + block_size * kv_heads * head_dim             # in bytes: block 0's scales
+    scales = torch.empty(0, dtype=torch.float32, device=cache.device)
+    return scales.set_(cache.untyped_storage(), first // KV_SCALE_BYTES, (num_blocks, block_size, kv_heads),
+                       (cache.stride(0) // KV_SCALE_BYTES, kv_heads, 1))
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Rows [..., D] -> int8 values [..., D] and fp32 scales [...]: each row's largest magnitude maps to 127."
+    x = x.float()
+    amax = x.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, 0.0)                     # an all-zero row: zeros, scale 0
+    return torch.floor(x * inv[..., None] + 0.5).clamp(-127, 127).to(torch.int8), amax / 127.0
+
 # %% ../nbs/02_model.ipynb #6e81975a
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values [T, kv_heads, D] into their cache slots, rounded to the cache's dtype (an fp8 cache
-    saturates at its largest value, as a GPU's conversion does)."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    saturates at its largest value, as a GPU's conversion does; an int8 cache keeps each row's scale too)."""
+    block_size = k_cache.shape[1]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
     for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == torch.int8:
+            new, scale = quantize_kv(new)                          # [S, KVH, D] int8, [S, KVH] fp32
+            kv_scales(cache)[block, offset] = scale
         new = new.to(cache.dtype)
-        if cache.dtype.itemsize == 1:   # fp8: copied as bytes (index_copy_ has no fp8 kernels)
+        if cache.dtype.itemsize == 1:   # fp8 and int8: copied as bytes (indexing has no fp8 kernels)
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
-        cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, new)  # [S, KVH, D]
+        cache[block, offset] = new                                 # [S, KVH, D] into their slots
+
 
 # %% ../nbs/02_model.ipynb #6429c703
+def read_kv(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    "Blocks `blocks` (block ids, any shape) of a cache, [*blocks.shape, block_size, kv_heads, D] in `dtype`."
+    rows = cache[blocks]
+    if cache.dtype == torch.int8: rows = rows.float() * kv_scales(cache)[blocks][..., None]     # times each row's scale
+    return rows.to(dtype)
+
+
 def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
     "Decode attention by gather + SDPA: q [B, H, D] -> [B, H, D]."
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     G = H // kv_heads
     L = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].view(B, L, kv_heads, D).transpose(1, 2).to(q.dtype)    # [B, KVH, L, D]
-    v = v_cache[block_tables].view(B, L, kv_heads, D).transpose(1, 2).to(q.dtype)    # [B, KVH, L, D]
+    k = read_kv(k_cache, block_tables, q.dtype).view(B, L, kv_heads, D).transpose(1, 2)    # [B, KVH, L, D]
+    v = read_kv(v_cache, block_tables, q.dtype).view(B, L, kv_heads, D).transpose(1, 2)    # [B, KVH, L, D]
     mask = (torch.arange(L, device=q.device)[None, :] < context_lens[:, None]).view(B, 1, 1, L)
     out = F.scaled_dot_product_attention(q.view(B, kv_heads, G, D), k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     return out.reshape(B, H, D)
@@ -327,8 +372,8 @@ def prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos, scale):
     n, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     G, ctx = H // kv_heads, start_pos + n
-    k = k_cache[block_table].view(-1, kv_heads, D)[:ctx].transpose(0, 1).to(q.dtype)   # [KVH, ctx, D]
-    v = v_cache[block_table].view(-1, kv_heads, D)[:ctx].transpose(0, 1).to(q.dtype)   # [KVH, ctx, D]
+    k = read_kv(k_cache, block_table, q.dtype).view(-1, kv_heads, D)[:ctx].transpose(0, 1)   # [KVH, ctx, D]
+    v = read_kv(v_cache, block_table, q.dtype).view(-1, kv_heads, D)[:ctx].transpose(0, 1)   # [KVH, ctx, D]
     qg = q.view(n, kv_heads, G, D).permute(1, 2, 0, 3).reshape(kv_heads, G * n, D)  # [KVH, G*n, D]
     i = torch.arange(n, device=q.device)[:, None] + start_pos
     mask = (torch.arange(ctx, device=q.device)[None, :] <= i)                       # [n, ctx]

@@ -10,13 +10,15 @@ import itertools
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
+from types import MappingProxyType
 
 import torch
 
 from .attention import decode_attention, paged_attention
 from .fused import add_rmsnorm, gemv, silu_mul
 from .graphs import DecodeGraphs, MixedGraphs, apply_feed, pick_bucket
-from .model import AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausalLM, paged_attention_ref
+from .model import (KV_SCALE_BYTES, AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausalLM,
+                             make_kv_cache, paged_attention_ref)
 from .runtime import pdl_supported
 from .sampler import (LogitsProcessors, SamplingMetadata, reset_slots, sample, token_logprobs,
                                unpack_logprobs)
@@ -445,12 +447,12 @@ class RunnerSetup:
 
     def __init__(self, model: Qwen2ForCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, kernels: KernelConfig | None = None, num_penalty_slots: int = 64):
-        "`dtype`: the KV cache's (`kv_cache_dtype`: the model's, or fp8)."
+        "`dtype`: the KV cache's (`kv_cache_dtype`: the model's, fp8 or int8)."
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         self.kernels = (kernels or KernelConfig()).resolve(device)
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=device)   # [L, 2, N, bs, KVH, D]
+        self.kv_cache = make_kv_cache(cfg.num_hidden_layers, num_blocks, block_size, model.num_local_kv_heads,
+                                      cfg.head_dim, dtype, device)       # [L, 2, N, bs, KVH, D]
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
         self.staging = StagingBuffer()
         self.graphs = None                 # a `DecodeGraphs` (the CUDA-graphs chapter) once enabled
@@ -835,19 +837,21 @@ def _unpack_floats(launched: Launched, floats: torch.Tensor) -> None:
 
 # %% ../nbs/10_runner.ipynb #4033f2f4
 _CPU_KV_CACHE_BYTES = 1 << 30
-KV_CACHE_DTYPES = ("auto", "fp8")      # the model's dtype; fp8 e4m3
+KV_CACHE_DTYPES = MappingProxyType({"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8})   # None: the model's
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    "The K/V cache's dtype: the model's (`auto`), or fp8 e4m3 (`fp8`: half the bytes a token, twice the blocks)."
+    """The K/V cache's dtype: the model's (`auto`), fp8 e4m3 (`fp8`) or int8 with a scale a row (`int8`): one byte a
+    value, about twice the blocks."""
     if name not in KV_CACHE_DTYPES: raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
-    return torch.float8_e4m3fn if name == "fp8" else model_dtype
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 def kv_block_bytes(model: Qwen2ForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    "Bytes of one KV block across all layers, for the KV heads this process holds."
+    "Bytes of one KV block across all layers, for the KV heads this process holds (an int8 cache's scales too)."
     c = model.config
-    return c.num_hidden_layers * 2 * block_size * model.num_local_kv_heads * c.head_dim * dtype.itemsize
+    row = c.head_dim * dtype.itemsize + (KV_SCALE_BYTES if dtype == torch.int8 else 0)   # one (token, KV head)
+    return c.num_hidden_layers * 2 * block_size * model.num_local_kv_heads * row
 
 
 @torch.inference_mode()

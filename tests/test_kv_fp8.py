@@ -143,7 +143,7 @@ def test_the_command_lines_pass_the_cache_dtype():
     assert "kv_cache_dtype" not in bench.engine_kwargs_from_args(bench.build_parser().parse_args([]))
     assert server.engine_kwargs(server.build_parser().parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
     with pytest.raises(SystemExit):
-        bench.build_parser().parse_args(["--kv-cache-dtype", "int8"])
+        bench.build_parser().parse_args(["--kv-cache-dtype", "fp4"])
 
 
 def test_the_benchmarks_limit_counts_one_byte_a_cached_value():

@@ -1,0 +1,155 @@
+"""The int8 K/V cache (one fp32 scale per token and KV head, kept after each block's values): the Triton kernels read
+it as the torch reference does (values times their rows' scales) and write each new key and value as the reference
+quantizes it (bit for bit: the same fp32 operations); an engine with it gives, in every scheduling regime, the greedy
+tokens of recomputing each token's logits from scratch over an int8 cache; about twice the blocks of a bf16 cache in
+the same bytes; and, on the trained tiny model, the quantization chapter's quality bar."""
+import pytest
+import torch
+
+from helpers import build_tokenizer_source, make_checkpoint, random_prompt
+from nanoserve.attention import decode_attention, decode_attention_ref, prefill_attention, prefill_attention_ref, rope_cache
+from nanoserve.engine import LLM, SamplingParams
+from nanoserve.model import AttentionMetadata, PrefillChunk, kv_scales, load_model, make_kv_cache, quantize_kv, read_kv
+from nanoserve.runner import kv_block_bytes, kv_cache_dtype
+
+TABLES = torch.tensor([[3, 7, 1, 10, 0], [5, 2, 11, 0, 0]])
+
+
+def paged(num_blocks=12, block_size=4, kvh=2, d=16, seed=0):
+    "An int8 K/V cache [num_blocks, block_size, kvh, d] written with random rows of widely different magnitudes."
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = make_kv_cache(1, num_blocks, block_size, kvh, d, torch.int8)[0]
+    for cache in (kc, vc):
+        rows = torch.randn(num_blocks * block_size, kvh, d, generator=g) * torch.rand(num_blocks * block_size, kvh, 1,
+                                                                                     generator=g) * 20
+        values, scales = quantize_kv(rows)
+        cache.copy_(values.view(num_blocks, block_size, kvh, d))
+        kv_scales(cache).copy_(scales.view(num_blocks, block_size, kvh))
+    return kc, vc
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_reads_an_int8_cache_as_the_reference_does(num_splits):
+    kc, vc = paged()
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2))
+    ctx = torch.tensor([18, 9])
+    out = decode_attention(q, kc, vc, TABLES, ctx, 0.25, 18, num_splits=num_splits)
+    torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, TABLES, ctx, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_reads_an_int8_cache_as_the_reference_does():
+    kc, vc = paged()
+    q = torch.randn(7 + 5, 4, 16, generator=torch.Generator().manual_seed(3))
+    cu, start = torch.tensor([0, 7, 12]), torch.tensor([11, 4])         # each chunk after a cached prefix
+    out = prefill_attention(q, kc, vc, TABLES, cu, start, 7, 0.25)
+    torch.testing.assert_close(out, prefill_attention_ref(q, kc, vc, TABLES, cu, start, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def _written(cache):
+    "Slots [num_blocks, block_size] with any value or scale written."
+    return (cache != 0).any(-1).any(-1) | (kv_scales(cache) != 0).any(-1)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")     # the padding heads' lanes (masked)
+def test_rope_cache_writes_int8_slots_as_the_reference_quantizes():
+    T, H, KVH, D = 3, 4, 2, 16
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g) * 3
+    ang = torch.rand(T, D // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    (kc, vc), (kr, vr) = make_kv_cache(2, 6, 4, KVH, D, torch.int8)
+    slots = torch.tensor([5, 17, -1])                                 # the last token writes nothing
+    rope_cache(qkv, cos, sin, slots, kc, vc, H, KVH)
+    from nanoserve.attention import rope_cache_ref
+    rope_cache_ref(qkv, cos, sin, slots, kr, vr, H, KVH)
+    for ours, ref in ((kc, kr), (vc, vr)):
+        assert torch.equal(_written(ours).nonzero(), torch.tensor([[1, 1], [4, 1]]))    # slots 5 and 17, nothing else
+        assert torch.equal(ours, ref) and torch.equal(kv_scales(ours), kv_scales(ref))   # the same fp32 operations
+
+
+def test_decode_with_rope_writes_the_new_int8_slot_then_reads_it():
+    H, KVH, D = 4, 2, 16
+    kc, vc = paged()
+    ctx = torch.tensor([18, 9])                                       # the new tokens sit at positions 17 and 8
+    slots = torch.tensor([0 * 4 + 1, 11 * 4 + 0])                   # block 0 offset 1; block 11 offset 0
+    qkv = torch.randn(2, (H + 2 * KVH) * D, generator=torch.Generator().manual_seed(5)) * 4
+    cos, sin = torch.ones(2, D // 2), torch.zeros(2, D // 2)          # no rotation: the stored rows are the inputs
+    out = torch.empty(2, H, D)
+    decode_attention(None, kc, vc, TABLES, ctx, 0.25, 18, num_splits=4, out=out, rope=(qkv, cos, sin, slots))
+    k = qkv[:, H * D:(H + KVH) * D].view(2, KVH, D)
+    v = qkv[:, (H + KVH) * D:].view(2, KVH, D)
+    for b, (blk, off) in enumerate(((0, 1), (11, 0))):
+        assert torch.equal(kc[blk, off], quantize_kv(k[b])[0]) and torch.equal(vc[blk, off], quantize_kv(v[b])[0])
+        assert torch.equal(kv_scales(kc)[blk, off], quantize_kv(k[b])[1])
+    q = qkv[:, :H * D].view(2, H, D)
+    torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, TABLES, ctx, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_read_kv_gives_each_row_within_half_a_step():
+    x = torch.randn(5, 4, 2, 16) * torch.tensor([0.01, 1.0, 100.0, 0.0]).view(1, 4, 1, 1)   # one block a token row
+    kc = make_kv_cache(1, 5, 4, 2, 16, torch.int8)[0, 0]
+    values, scales = quantize_kv(x)
+    kc.copy_(values); kv_scales(kc).copy_(scales)
+    back = read_kv(kc, torch.arange(5), torch.float32)
+    assert ((back - x).abs() <= scales[..., None] / 2 + 1e-6 * x.abs()).all()
+    assert torch.equal(back[:, 3], torch.zeros(5, 2, 16))             # an all-zero row: scale 0, values 0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("random-qwen2")
+    make_checkpoint(folder, seed=7, tokenizer_from=build_tokenizer_source(tmp_path_factory.mktemp("tokenizer")))
+    return folder
+
+
+@torch.no_grad()
+def recomputed_greedy(model, ids: list[int], n: int) -> list[int]:
+    "Greedy tokens, each from one prefill of the whole sequence so far over a fresh int8 cache (nothing reused)."
+    cfg, out = model.config, list(ids)
+    for _ in range(n):
+        T, nb = len(out), -(-len(out) // 4)
+        cache = make_kv_cache(cfg.num_hidden_layers, nb, 4, cfg.num_key_value_heads, cfg.head_dim, torch.int8)
+        meta = AttentionMetadata(torch.arange(T), prefills=[PrefillChunk(0, T, 0, torch.arange(nb))])
+        hidden = model(torch.tensor(out), torch.arange(T), [(c[0], c[1]) for c in cache], meta)
+        out.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
+    return out[len(ids):]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SETUPS = {"default": {}, "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
+          "preempt": dict(block_size=4, num_kv_blocks=22), "async-off": dict(async_scheduling=False)}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_an_int8_engine_gives_the_recomputed_tokens(ckpt, setup):
+    model = load_model(ckpt, dtype=torch.float32)
+    prompts = [random_prompt(n, model.config.vocab_size, seed=n) for n in (5, 23, 41)]
+    llm = LLM(ckpt, dtype="float32", device="cpu", kv_cache_dtype="int8", **SETUPS[setup])
+    assert llm.runner.kv_cache.dtype == torch.int8
+    outs = llm.generate(prompts, GREEDY)
+    if setup == "preempt": assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [recomputed_greedy(model, p, 12) for p in prompts]
+    again = llm.generate([prompts[2][:30]], GREEDY)[0]                # a prefix-cache hit on int8 blocks
+    assert again.num_cached_tokens > 0 and again.token_ids == recomputed_greedy(model, prompts[2][:30], 12)
+
+
+def test_int8_blocks_are_a_byte_a_value_and_a_scale_a_row(ckpt):
+    model = load_model(ckpt, dtype=torch.bfloat16)
+    int8, bf16 = kv_cache_dtype("int8", torch.bfloat16), kv_cache_dtype("auto", torch.bfloat16)
+    D = model.config.head_dim
+    assert kv_block_bytes(model, 16, bf16) * (D + 4) == 2 * D * kv_block_bytes(model, 16, int8)
+    cache = make_kv_cache(model.config.num_hidden_layers, 3, 16, model.config.num_key_value_heads, D, int8)
+    assert cache.untyped_storage().nbytes() == 3 * kv_block_bytes(model, 16, int8)    # what the budget counts
+
+
+def test_the_command_lines_and_the_limit_know_int8():
+    from nanoserve import bench, server
+    from nanoserve.bench import BenchRequest, physical_limit
+    from nanoserve.tokenizer import default_model
+    assert bench.engine_kwargs_from_args(bench.build_parser().parse_args(["--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
+    assert server.engine_kwargs(server.build_parser().parse_args(["--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
+    reqs = [BenchRequest(tuple(range(40)), 8)] * 4
+    auto = physical_limit(default_model(), reqs, {"device": "cpu"})
+    int8 = physical_limit(default_model(), reqs, {"device": "cpu", "kv_cache_dtype": "int8"})
+    D = load_model(default_model(), dtype=torch.float32).config.head_dim
+    assert int8["kv_bytes"] * 4 == pytest.approx(auto["kv_bytes"] * (1 + 4 / D))     # fp32 on a CPU: 4 bytes a value
