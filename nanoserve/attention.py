@@ -83,7 +83,7 @@ def scale_ptrs(cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLO
     scales = (cache_ptr + blk * stride_cb + BLOCK_SIZE * stride_cs).to(tl.pointer_type(tl.float32))
     return scales + offset * (stride_cs // stride_ch) + kvh
 
-# %% ../nbs/06_attention.ipynb #06ceca81
+# %% ../nbs/06_attention.ipynb #b1c2d303
 @triton.jit
 def store_halves(cache_ptr, x1, x2, dst, mask, blk, offset, h, stride_cb, stride_cs, stride_ch,
                  BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, MODEL_DTYPE: tl.constexpr):
@@ -99,7 +99,7 @@ def store_halves(cache_ptr, x1, x2, dst, mask, blk, offset, h, stride_cb, stride
     tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
-
+# %% ../nbs/06_attention.ipynb #06ceca81
 @triton.jit
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                       stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_cb, stride_cs, stride_ch,
