@@ -1,7 +1,13 @@
-"""The fp8 (e4m3) K/V cache on the H200 (issue: quantization users bring, its K/V part).
+"""The one-byte K/V caches on the H200, fp8 (e4m3) and int8 (a scale a row) (issue: quantization users bring, its K/V
+part).
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT [--parts check,kernel,quality,workload]
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --parts poisson --name kv_fp8_poisson_h200.json
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --caches fp8,int8 --name kv_int8_h200.json
+
+`--caches`: the one-byte dtypes each part sets against the model's (default fp8). For int8 the writes' check is exact
+(the kernels quantize with the reference's fp32 operations: values and scales equal); the Poisson part gives it the
+blocks of the bf16 cache's bytes (a block of int8 keeps 4 bytes of scale a row too).
 
 In the tutorials' order:
 - check: the kernels' fp8 writes against torch's rounding of the same fp32 values (`rope_cache` with a real rotation:
@@ -33,8 +39,20 @@ import torch  # noqa: E402
 from nanoserve.attention import (decode_attention, decode_attention_ref, prefill_attention,  # noqa: E402
                                  prefill_attention_ref, rope_cache, rope_cache_ref)
 from nanoserve.bench import model_limits  # noqa: E402
+from nanoserve.model import kv_scales, make_kv_cache, quantize_kv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
+DTYPES = {"fp8": FP8, "int8": torch.int8}
+
+
+def one_byte(k32, v32, dtype):
+    "A one-byte cache (keys, values) holding fp32 `k32`, `v32` [blocks, bs, KVH, D] as the engine's cache would."
+    if dtype != torch.int8: return k32.to(dtype), v32.to(dtype)
+    kc, vc = make_kv_cache(1, *k32.shape, torch.int8, k32.device)[0]
+    for cache, x in ((kc, k32), (vc, v32)):
+        values, scales = quantize_kv(x)
+        cache.copy_(values); kv_scales(cache).copy_(scales)
+    return kc, vc
 
 
 def _cache(num_blocks, bs, kvh, d, device, seed):
@@ -43,8 +61,8 @@ def _cache(num_blocks, bs, kvh, d, device, seed):
             torch.randn(num_blocks, bs, kvh, d, generator=g, device=device))
 
 
-def check_kernels(device, smoke: bool) -> dict:
-    "The fp8 writes against torch's rounding; decode and prefill over an fp8 cache against the reference on it."
+def check_kernels(device, smoke: bool, dtype=FP8) -> dict:
+    "The writes against torch's rounding; decode and prefill over a one-byte cache against the reference on it."
     H, KVH, D, bs = (4, 2, 16, 4) if smoke else (16, 8, 128, 16)
     T, nb = (5, 16) if smoke else (512, 256)
     g = torch.Generator(device=device).manual_seed(0)
@@ -52,17 +70,17 @@ def check_kernels(device, smoke: bool) -> dict:
     ang = torch.rand(T, D // 2, generator=g, device=device) * 6.28
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)      # [T, D], as the model's table
     slots = torch.randperm(nb * bs, generator=g, device=device)[:T]
-    kc, vc = torch.zeros(nb, bs, KVH, D, dtype=FP8, device=device), torch.zeros(nb, bs, KVH, D, dtype=FP8, device=device)
-    kr, vr = kc.clone(), vc.clone()
+    (kc, vc), (kr, vr) = make_kv_cache(2, nb, bs, KVH, D, dtype, device)
     rope_cache(qkv, cos, sin, slots, kc, vc, H, KVH)
     rope_cache_ref(qkv, cos, sin, slots, kr, vr, H, KVH)
     written = lambda c: c.view(torch.uint8).view(nb * bs, KVH, D)[slots]            # [T, KVH, D] bytes
     k_equal = (written(kc) == written(kr)).float().mean().item()
     v_equal = (written(vc) == written(vr)).float().mean().item()
+    if dtype == torch.int8: k_equal = min(k_equal, float(torch.equal(kv_scales(kc), kv_scales(kr))))   # and the scales
     # reads: a full fp8 cache, bf16 queries (the interpreter has no bf16: fp32 under --smoke)
     qdt = torch.float32 if smoke else torch.bfloat16
     k32, v32 = _cache(nb, bs, KVH, D, device, 1)
-    k8, v8 = k32.to(FP8), v32.to(FP8)
+    k8, v8 = one_byte(k32, v32, dtype)
     B, L = (2, 3) if smoke else (64, 32)
     tables = torch.stack([torch.randperm(nb, generator=g, device=device)[:L] for _ in range(B)])
     ctx = torch.randint(1, L * bs + 1, (B,), generator=g, device=device)
@@ -76,26 +94,29 @@ def check_kernels(device, smoke: bool) -> dict:
     outp = prefill_attention(qp, k8, v8, tables[:1], cu, start, n, D ** -0.5)
     refp = prefill_attention_ref(qp.float(), k8, v8, tables[:1], cu, start, D ** -0.5)
     pre_err = ((outp.float() - refp).norm() / refp.norm()).item()
-    res = {"heads": [H, KVH, D], "rope_cache_k_bytes_equal": k_equal, "rope_cache_v_bytes_equal": v_equal,
+    res = {"cache": str(dtype).removeprefix("torch."), "heads": [H, KVH, D], "rope_cache_k_bytes_equal": k_equal, "rope_cache_v_bytes_equal": v_equal,
            "decode_rel_err": dec_err, "prefill_rel_err": pre_err}
     # (the interpreter rounds some values to fp8 wrongly: --smoke checks that the code runs, not the bytes)
     assert (v_equal == 1.0 and k_equal > 0.999 or smoke) and dec_err < 2e-2 and pre_err < 2e-2, res
     return res
 
 
-def check_engines(device, smoke: bool) -> dict:
-    "fp32 engines with an fp8 cache: the Triton kernels (and graphs) against the torch reference: greedy tokens."
+def check_engines(device, smoke: bool, cache="fp8") -> dict:
+    "fp32 engines with a one-byte cache: the Triton kernels (and graphs) against the torch reference: greedy tokens."
     num_prompts, max_tokens = (2, 4) if smoke else (8, 40)
-    engines = [LLM(tiny_model(), dtype="float32", device=device.type, kv_cache_dtype="fp8", num_kv_blocks=512,
+    engines = [LLM(tiny_model(), dtype="float32", device=device.type, kv_cache_dtype=cache, num_kv_blocks=512,
                    max_num_seqs=8, attention_backend=backend) for backend in ("triton", "torch")]
     same = same_greedy_tokens(engines, num_prompts, max_tokens)
     del engines; gc.collect()
-    assert same or smoke, "fp8 engines: the Triton kernels' greedy tokens differ from the torch reference's"
-    return {"model": "tiny (fp32)", "prompts": num_prompts, "tokens_each": max_tokens, "identical": same}
+    assert same or smoke, f"{cache} engines: the Triton kernels' greedy tokens differ from the torch reference's"
+    return {"model": "tiny (fp32)", "cache": cache, "prompts": num_prompts, "tokens_each": max_tokens, "identical": same}
 
 
 def part_check(res, args, device, smoke):
-    res["check"] = {"kernels": check_kernels(device, smoke), "engines": check_engines(device, smoke)}
+    res["check"] = {"kernels": check_kernels(device, smoke, DTYPES[args.caches[0]]),
+                    "engines": check_engines(device, smoke, args.caches[0])}
+    for c in args.caches[1:]:
+        res["check"][c] = {"kernels": check_kernels(device, smoke, DTYPES[c]), "engines": check_engines(device, smoke, c)}
     print(res["check"], flush=True)
 
 
@@ -111,22 +132,22 @@ def part_kernel(res, args, device, smoke):
             tables = torch.arange(B * L, device=device).view(B, L)
             ctx = torch.full((B,), ctx_len, device=device)
             q = torch.randn(B, H, D, device=device, dtype=torch.float32 if smoke else torch.bfloat16)
-            caches = {"bf16": (k32.to(q.dtype), v32.to(q.dtype)), "fp8": (k32.to(FP8), v32.to(FP8))}
+            caches = {"bf16": (k32.to(q.dtype), v32.to(q.dtype)), **{c: one_byte(k32, v32, DTYPES[c]) for c in args.caches}}
             row = {"shape": name, "heads": [H, KVH, D], "batch": B, "context": ctx_len}
             for r in range(2):
-                for which in (("bf16", "fp8") if r == 0 else ("fp8", "bf16")):
+                for which in (list(caches) if r == 0 else list(caches)[::-1]):
                     kc, vc = caches[which]
-                    nbytes = 2 * kc.numel() * kc.element_size()
+                    nbytes = 2 * kc.untyped_storage().nbytes()
                     warm(device, 0.5)
                     # inside CUDA graphs, over enough copies of the cache to miss L2 (no host launch time)
                     us = graph_bench(lambda i: (lambda: decode_attention(q, kc, vc, tables, ctx, D ** -0.5, ctx_len)),
                                      nbytes, device=device)
                     row.setdefault(which, []).append(median(us))
             for which, (kc, vc) in caches.items():
-                nbytes = 2 * B * ctx_len * KVH * D * kc.element_size()
+                nbytes = 2 * B * ctx_len * KVH * (D * kc.element_size() + 4 * (kc.dtype == torch.int8))
                 row[which + "_disagree"] = disagree(*row[which])
                 row[which + "_GBps"] = nbytes / (median(row[which]) * 1e-6) / 1e9
-            row["fp8_over_bf16"] = median(row["fp8"]) / median(row["bf16"])
+            for c in args.caches: row[f"{c}_over_bf16"] = median(row[c]) / median(row["bf16"])
             rows.append(row)
             print(row, flush=True)
     res["kernel"] = rows
@@ -145,9 +166,10 @@ def part_quality(res, args, device, smoke):
     model.set_kernels(model_kernels(KernelConfig().resolve(device)))
     rows = heldout_rows(default_model() / "tokenizer.json", num_rows=2 if smoke else 16, seq_len=32 if smoke else 256)
     logits = lambda dt: torch.cat([sequence_logits(model, r[:-1].to(device), cache_dtype=dt) for r in rows]).float()
-    q = logit_quality(logits(None), logits(FP8), rows[:, 1:].reshape(-1).to(device))
+    ref, targets = logits(None), rows[:, 1:].reshape(-1).to(device)
+    qs = {c: logit_quality(ref, logits(DTYPES[c]), targets) for c in args.caches}
     res["quality"] = {"model": f"tiny ({str(dtype).removeprefix('torch.')}, Triton kernels)", "rows": int(rows.shape[0]),
-                      "seq_len": int(rows.shape[1] - 1), **q}
+                      "seq_len": int(rows.shape[1] - 1), **qs[args.caches[0]], "by_cache": qs}
     print(res["quality"], flush=True)
 
 
@@ -156,7 +178,7 @@ def part_workload(res, args, device, smoke):
     model_dir = tiny_model() if smoke else random_checkpoint("qwen3-0.6B", device=device.type)
     kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8 if smoke else 256,
               max_num_batched_tokens=256 if smoke else 16384, num_kv_blocks=256 if smoke else args.workload_blocks)
-    engines = {c: LLM(model_dir, kv_cache_dtype=c, **kw) for c in ("auto", "fp8")}
+    engines = {c: LLM(model_dir, kv_cache_dtype=c, **kw) for c in ("auto", *args.caches)}
     vocab, max_len = model_limits(model_dir, {})
     out = {"model": "tiny" if smoke else "qwen3-0.6B", "engine_kwargs": kw, "rounds": [], "numerator":
            "output tokens actually generated (EOS ignored, every request to its max_tokens)"}
@@ -167,7 +189,7 @@ def part_workload(res, args, device, smoke):
     for r in range(1 if smoke else args.rounds):
         reqs, sp = workload(100 + r)
         row = {"seed": 100 + r}
-        for c in (("auto", "fp8") if r % 2 == 0 else ("fp8", "auto")):
+        for c in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             llm = engines[c]
             warm(device, 0 if smoke else 3.0)
             sync(device)
@@ -179,10 +201,10 @@ def part_workload(res, args, device, smoke):
             assert n == sum(q.max_tokens for q in reqs)
             row[c] = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt,
                       "preemptions": sum(o.num_preemptions for o in outs)}
-        row["fp8_over_auto"] = row["fp8"]["output_tokens_per_s"] / row["auto"]["output_tokens_per_s"]
+        for c in args.caches: row[f"{c}_over_auto"] = row[c]["output_tokens_per_s"] / row["auto"]["output_tokens_per_s"]
         out["rounds"].append(row)
         print(row, flush=True)
-    out["fp8_over_auto_median"] = median([r["fp8_over_auto"] for r in out["rounds"]])
+    for c in args.caches: out[f"{c}_over_auto_median"] = median([r[f"{c}_over_auto"] for r in out["rounds"]])
     out["num_kv_blocks"] = {c: e.num_kv_blocks for c, e in engines.items()}
     res["workload"] = out
     del engines; gc.collect(); free()
@@ -197,8 +219,10 @@ def part_poisson(res, args, device, smoke):
                   max_num_batched_tokens=256 if smoke else 2048)
     blocks = 8 if smoke else args.blocks
     rows = []
-    for c, nb in (("auto", blocks), ("fp8", 2 * blocks)):
-        kw = common | {"num_kv_blocks": nb} | ({"kv_cache_dtype": "fp8"} if c == "fp8" else {})
+    D = 16 if smoke else 64                                                         # the head size of the model
+    same_bytes = {"auto": blocks, "fp8": 2 * blocks, "int8": 2 * blocks * D // (D + 4)}
+    for c, nb in ((c, same_bytes[c]) for c in ("auto", *args.caches)):
+        kw = common | {"num_kv_blocks": nb} | ({"kv_cache_dtype": c} if c != "auto" else {})
         out = run_benchmark(model_dir, spec, ["continuous"], engine_kwargs=kw, rates=[args.rate], repeats=1 if smoke else 2,
                             warmup_s=0.0 if smoke else 3.0, progress=False, profile_steps=0,
                             limits=model_limits(model_dir, kw))
@@ -223,7 +247,9 @@ def main():
     ap.add_argument("--workload-blocks", type=int, default=32768, help="workload: KV blocks of each engine")
     ap.add_argument("--blocks", type=int, default=192, help="poisson: the bf16 cache's blocks (fp8: twice)")
     ap.add_argument("--rate", type=float, default=48.0, help="poisson: requests a second")
+    ap.add_argument("--caches", default="fp8", help="the one-byte K/V dtypes set against the model's: fp8, int8")
     args = ap.parse_args()
+    args.caches = args.caches.split(",")
     smoke = is_smoke(args)
     device = device_or_skip(args)
     res = {"command": "PYTHONPATH=. python kernels/kv_fp8_h200.py " + " ".join(sys.argv[1:])}

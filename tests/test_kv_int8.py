@@ -3,6 +3,8 @@ it as the torch reference does (values times their rows' scales) and write each 
 quantizes it (bit for bit: the same fp32 operations); an engine with it gives, in every scheduling regime, the greedy
 tokens of recomputing each token's logits from scratch over an int8 cache; about twice the blocks of a bf16 cache in
 the same bytes; and, on the trained tiny model, the quantization chapter's quality bar."""
+import json
+
 import pytest
 import torch
 
@@ -153,3 +155,55 @@ def test_the_command_lines_and_the_limit_know_int8():
     int8 = physical_limit(default_model(), reqs, {"device": "cpu", "kv_cache_dtype": "int8"})
     D = load_model(default_model(), dtype=torch.float32).config.head_dim
     assert int8["kv_bytes"] * 4 == pytest.approx(auto["kv_bytes"] * (1 + 4 / D))     # fp32 on a CPU: 4 bytes a value
+
+
+INT8_KERNELS = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import nanoserve.attention as A
+
+def compile_ptx(kernel, ptrs, consts):
+    sig, cst, attrs = {}, {}, {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in ptrs: sig[n] = ptrs[n]; attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in consts: sig[n] = "constexpr"; cst[(i,)] = consts[n]
+        else: sig[n] = "fp32" if n in ("scale_log2", "eps") else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+out = {}
+for cache in ("*i8", "*bf16"):
+    ptrs = {n: "*bf16" for n in ("q_ptr", "out_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr", "k_norm_ptr", "qkv_ptr",
+                                  "q_out_ptr")}
+    ptrs.update(k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="*i64", context_lens_ptr="*i64",
+                part_out_ptr="*fp32", part_lse_ptr="*fp32", counter_ptr="*i32", slot_mapping_ptr="*i64",
+                cu_q_lens_ptr="*i64", start_pos_ptr="*i64", tile_map_ptr="*i64")
+    for rope in (False, True):      # Qwen3-0.6B's heads, its q/k norms inside
+        ptx = compile_ptx(A.decode_attention_kernel, ptrs, dict(
+            NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
+            UPCAST=False, ROPE=rope, QK_NORM=rope, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True))
+        out[f"decode {cache} rope={rope}"] = {"cvt_s8": len(re.findall(r"cvt\.[\w.]*s8\b", ptx)),
+                                               "st": ptx.count("st.global"), "ld": ptx.count("ld.global")}
+    ptx = compile_ptx(A.rope_cache_kernel, ptrs, dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
+                                                      BLOCK_H=16, UPCAST=False, QK_NORM=True, PDL=True))
+    out[f"rope_cache {cache}"] = {"st": ptx.count("st.global")}
+    ptx = compile_ptx(A.prefill_attention_kernel, ptrs, dict(G=2, BLOCK_G=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64,
+                                                             TILE_N=64, TILED=True, UPCAST=False, DOT_PRECISION="tf32"))
+    out[f"prefill {cache}"] = {"ld": ptx.count("ld.global")}
+print(json.dumps(out))
+"""
+
+
+def test_int8_kernels_compile_for_hopper():
+    """The decode kernel (with RoPE and the write inside, and without), `rope_cache` and the prefill kernel compile
+    for sm_90 over an int8 cache (Triton's own ptxas on the CPU, no GPU): the interpreter runs their arithmetic above,
+    not the compiler. Over int8 they widen bytes (the `s8` conversions) and load the rows' scales, and the writers
+    store the scales."""
+    from helpers import compiled_run
+    k = json.loads(compiled_run(INT8_KERNELS, 900).strip().splitlines()[-1])
+    for rope in (False, True):
+        i8, bf = k[f"decode *i8 rope={rope}"], k[f"decode *bf16 rope={rope}"]
+        assert i8["ld"] >= bf["ld"] and i8["cvt_s8"] > 0 == bf["cvt_s8"], (i8, bf)
+    assert k["decode *i8 rope=True"]["st"] > k["decode *bf16 rope=True"]["st"]        # the scales of the new row
+    assert k["rope_cache *i8"]["st"] > k["rope_cache *bf16"]["st"]
