@@ -207,3 +207,16 @@ def test_int8_kernels_compile_for_hopper():
         assert i8["ld"] >= bf["ld"] and i8["cvt_s8"] > 0 == bf["cvt_s8"], (i8, bf)
     assert k["decode *i8 rope=True"]["st"] > k["decode *bf16 rope=True"]["st"]        # the scales of the new row
     assert k["rope_cache *i8"]["st"] > k["rope_cache *bf16"]["st"]
+
+
+def test_two_ranks_with_an_int8_cache_give_the_tokens_of_one():
+    "Tensor parallel: each rank's cache holds its half of the KV heads, each row with its own scale, as one process's."
+    from nanoserve.tokenizer import default_model
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self"]
+    one = [o.token_ids for o in LLM(default_model(), dtype="float32", kv_cache_dtype="int8").generate(prompts, GREEDY)]
+    llm2 = LLM(default_model(), dtype="float32", kv_cache_dtype="int8", tensor_parallel_size=2)
+    try:
+        assert llm2.runner.kv_cache.dtype == torch.int8
+        assert [o.token_ids for o in llm2.generate(prompts, GREEDY)] == one
+    finally:
+        llm2.close()
