@@ -9,7 +9,8 @@ Writes quant_quality_cpu.json (run metadata inside), which the quantization chap
   without the LM head quantized: the logits' relative error, the mean KL(full ||
   quantized) a token, top-1 agreement and the perplexity against the full-precision model; and the K/V cache in fp8
   e4m3 and in int8 with a scale a row, with full-precision weights ("kv_fp8", "kv_int8": every key and value rounded as
-  the engine's cache of that dtype stores it);
+  the engine's cache of that dtype stores it; "kv_in_bf16": the same caches under the model in bf16, against the
+  bf16 cache, the issue's own measure);
   and the weights as fp8 checkpoints store them ("fp8 128x128": e4m3 with a scale per 128 x 128 block of each
   projection, as Qwen3's releases; "fp8 tensor": one scale a projection), dequantized as the loader reads them;
 - 0.5B: all 24 layers of the 0.5B shape with random weights (std 0.02) in fp32, 128 random tokens, one forward per
@@ -108,8 +109,16 @@ def tiny_quality(smoke: bool) -> dict:
         out.append({"method": method, "group_size": None, "lm_head": False, **qual, "ppl_ref": math.exp(qual["nll_ref"]),
                     "ppl_quant": math.exp(qual["nll_quant"]), "weight_bytes_before": before, "weight_bytes_after": stored})
         print(out[-1], flush=True)
+    bf16 = load_model(tiny_dir, dtype=torch.bfloat16)           # the issue's measure: against the bf16 cache, in bf16
+    bf16_logits = lambda dt: torch.cat([sequence_logits(bf16, r[:-1], cache_dtype=dt) for r in rows]).float()
+    bf16_ref, kv_bf16 = bf16_logits(None), []
+    for method, cache_dtype in KV_CACHES:
+        qual = logit_quality(bf16_ref, bf16_logits(cache_dtype), targets)
+        kv_bf16.append({"method": method, **qual, "ppl_ref": math.exp(qual["nll_ref"]), "ppl_quant": math.exp(qual["nll_quant"])})
+        print("bf16 model", kv_bf16[-1], flush=True)
     return {"model": "tiny-qwen2-stdlib (shipped, fp32)", "rows": int(rows.shape[0]), "seq_len": int(rows.shape[1] - 1),
-            "results": out}
+            "results": out, "kv_in_bf16": {"model": "the same in bf16 (torch reference path), against the bf16 cache",
+                                           "results": kv_bf16}}
 
 
 def big_quality(smoke: bool) -> dict:
