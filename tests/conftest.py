@@ -15,3 +15,15 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def random_qwen2(tmp_path_factory):
+    "A small random Qwen2 checkpoint folder (seed 7) with a tokenizer: the one-byte K/V caches' engine tests."
+    from helpers import build_tokenizer_source, make_checkpoint
+    folder = tmp_path_factory.mktemp("random-qwen2")
+    make_checkpoint(folder, seed=7, tokenizer_from=build_tokenizer_source(tmp_path_factory.mktemp("tokenizer")))
+    return folder

@@ -207,3 +207,40 @@ def small_model(dtype: torch.dtype = torch.float32, **config):
     m.rotary.build("cpu", dtype)
     return m.eval().requires_grad_(False)
 
+
+
+@torch.no_grad()
+def recomputed_greedy(model, ids: list[int], n: int, cache_dtype: torch.dtype) -> list[int]:
+    """Greedy tokens, each from one prefill of the whole sequence so far over a fresh cache of `cache_dtype` (nothing
+    reused: every key and value rounded once, as a cache of that dtype stores it)."""
+    from nanoserve.model import make_kv_cache
+    cfg, out = model.config, list(ids)
+    for _ in range(n):
+        T, nb = len(out), -(-len(out) // 4)
+        cache = make_kv_cache(cfg.num_hidden_layers, nb, 4, cfg.num_key_value_heads, cfg.head_dim, cache_dtype)
+        meta = AttentionMetadata(torch.arange(T), prefills=[PrefillChunk(0, T, 0, torch.arange(nb))])
+        hidden = model(torch.tensor(out), torch.arange(T), [(c[0], c[1]) for c in cache], meta)
+        out.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
+    return out[len(ids):]
+
+
+ONE_BYTE_SETUPS = {"default": {}, "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
+                   "preempt": dict(block_size=4, num_kv_blocks=22), "async-off": dict(async_scheduling=False)}
+
+
+def check_one_byte_engine(ckpt, setup: str, cache: str) -> None:
+    """An fp32 engine with a one-byte K/V cache (`cache`: "fp8" or "int8") in a scheduling regime of `ONE_BYTE_SETUPS`
+    gives `recomputed_greedy`'s tokens, and again on a prefix-cache hit over those blocks."""
+    from nanoserve.engine import LLM, SamplingParams
+    from nanoserve.model import load_model
+    from nanoserve.runner import kv_cache_dtype
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    model, dtype = load_model(ckpt, dtype=torch.float32), kv_cache_dtype(cache, torch.float32)
+    prompts = [random_prompt(n, model.config.vocab_size, seed=n) for n in (5, 23, 41)]
+    llm = LLM(ckpt, dtype="float32", device="cpu", kv_cache_dtype=cache, **ONE_BYTE_SETUPS[setup])
+    assert llm.runner.kv_cache.dtype == dtype
+    outs = llm.generate(prompts, greedy)
+    if setup == "preempt": assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [recomputed_greedy(model, p, 12, dtype) for p in prompts]
+    again = llm.generate([prompts[2][:30]], greedy)[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == recomputed_greedy(model, prompts[2][:30], 12, dtype)

@@ -1,7 +1,6 @@
 """The fp8 (e4m3) K/V cache: the Triton kernels read it exactly as the torch reference does and write each new key
-and value into its slot as torch rounds it; an engine with it gives, in every scheduling regime, the greedy tokens
-of recomputing each token's logits from scratch over an fp8 cache (the oracle: one prefill of the whole sequence,
-every key and value rounded once); twice the blocks of a bf16 cache in the same bytes.
+and value into its slot as torch rounds it; the engine's regimes and the blocks' bytes are
+`test_kv_int8.py`'s, for both one-byte caches.
 
 The interpreter rounds some fp32 values to fp8 wrongly (a carry into the exponent is dropped), so the write tests
 use values that are already fp8 numbers (no rounding left to do) and an identity rotation; the kernels' rounding
@@ -11,11 +10,8 @@ import math
 import pytest
 import torch
 
-from helpers import build_tokenizer_source, make_checkpoint, random_prompt
 from nanoserve.attention import decode_attention, decode_attention_ref, prefill_attention, prefill_attention_ref, rope_cache
-from nanoserve.engine import LLM, SamplingParams
-from nanoserve.model import AttentionMetadata, PrefillChunk, load_model
-from nanoserve.runner import kv_block_bytes, kv_cache_dtype
+from nanoserve.engine import LLM
 
 FP8 = torch.float8_e4m3fn
 
@@ -85,51 +81,6 @@ def test_decode_with_rope_writes_the_new_fp8_slot_then_reads_it():
         assert torch.equal(kc.view(-1, KVH, D)[s].view(torch.uint8), k[b].to(FP8).view(torch.uint8))
     q = qkv[:, :H * D].view(2, H, D)
     torch.testing.assert_close(out, decode_attention_ref(q, kc, vc, tables, ctx, 0.25), rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("random-qwen2")
-    make_checkpoint(folder, seed=7, tokenizer_from=build_tokenizer_source(tmp_path_factory.mktemp("tokenizer")))
-    return folder
-
-
-@torch.no_grad()
-def recomputed_greedy(model, ids: list[int], n: int) -> list[int]:
-    "Greedy tokens, each from one prefill of the whole sequence so far over a fresh fp8 cache (nothing reused)."
-    cfg, out = model.config, list(ids)
-    for _ in range(n):
-        T, nb = len(out), -(-len(out) // 4)
-        caches = [tuple(torch.zeros(nb, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=FP8) for _ in range(2))
-                  for _ in range(cfg.num_hidden_layers)]
-        meta = AttentionMetadata(torch.arange(T), prefills=[PrefillChunk(0, T, 0, torch.arange(nb))])
-        hidden = model(torch.tensor(out), torch.arange(T), caches, meta)
-        out.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-    return out[len(ids):]
-
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-SETUPS = {"default": {}, "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
-          "preempt": dict(block_size=4, num_kv_blocks=22), "async-off": dict(async_scheduling=False)}
-
-
-@pytest.mark.parametrize("setup", SETUPS)
-def test_an_fp8_engine_gives_the_recomputed_tokens(ckpt, setup):
-    model = load_model(ckpt, dtype=torch.float32)
-    prompts = [random_prompt(n, model.config.vocab_size, seed=n) for n in (5, 23, 41)]
-    llm = LLM(ckpt, dtype="float32", device="cpu", kv_cache_dtype="fp8", **SETUPS[setup])
-    assert llm.runner.kv_cache.dtype == FP8
-    outs = llm.generate(prompts, GREEDY)
-    if setup == "preempt": assert sum(o.num_preemptions for o in outs) > 0
-    assert [o.token_ids for o in outs] == [recomputed_greedy(model, p, 12) for p in prompts]
-    again = llm.generate([prompts[2][:30]], GREEDY)[0]                # a prefix-cache hit on fp8 blocks
-    assert again.num_cached_tokens > 0 and again.token_ids == recomputed_greedy(model, prompts[2][:30], 12)
-
-
-def test_fp8_halves_a_blocks_bytes(ckpt):
-    model = load_model(ckpt, dtype=torch.bfloat16)
-    fp8, bf16 = kv_cache_dtype("fp8", torch.bfloat16), kv_cache_dtype("auto", torch.bfloat16)
-    assert kv_block_bytes(model, 16, bf16) == 2 * kv_block_bytes(model, 16, fp8)
 
 
 def test_a_bad_cache_dtype_is_refused_before_loading():

@@ -1,17 +1,17 @@
 """The int8 K/V cache (one fp32 scale per token and KV head, kept after each block's values): the Triton kernels read
 it as the torch reference does (values times their rows' scales) and write each new key and value as the reference
 quantizes it (bit for bit: the same fp32 operations); an engine with it gives, in every scheduling regime, the greedy
-tokens of recomputing each token's logits from scratch over an int8 cache; about twice the blocks of a bf16 cache in
+tokens of recomputing each token's logits from scratch over an int8 cache (and so does an fp8 one); about twice the blocks of a bf16 cache in
 the same bytes; and, on the trained tiny model, the quantization chapter's quality bar."""
 import json
 
 import pytest
 import torch
 
-from helpers import build_tokenizer_source, make_checkpoint, random_prompt
+from helpers import ONE_BYTE_SETUPS, check_one_byte_engine
 from nanoserve.attention import decode_attention, decode_attention_ref, prefill_attention, prefill_attention_ref, rope_cache
 from nanoserve.engine import LLM, SamplingParams
-from nanoserve.model import AttentionMetadata, PrefillChunk, kv_scales, load_model, make_kv_cache, quantize_kv, read_kv
+from nanoserve.model import kv_scales, load_model, make_kv_cache, quantize_kv, read_kv
 from nanoserve.runner import kv_block_bytes, kv_cache_dtype
 
 TABLES = torch.tensor([[3, 7, 1, 10, 0], [5, 2, 11, 0, 0]])
@@ -97,48 +97,18 @@ def test_read_kv_gives_each_row_within_half_a_step():
     assert torch.equal(back[:, 3], torch.zeros(5, 2, 16))             # an all-zero row: scale 0, values 0
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("random-qwen2")
-    make_checkpoint(folder, seed=7, tokenizer_from=build_tokenizer_source(tmp_path_factory.mktemp("tokenizer")))
-    return folder
+@pytest.mark.parametrize("cache", ["fp8", "int8"])
+@pytest.mark.parametrize("setup", ONE_BYTE_SETUPS)
+def test_a_one_byte_engine_gives_the_recomputed_tokens(random_qwen2, setup, cache):
+    check_one_byte_engine(random_qwen2, setup, cache)
 
 
-@torch.no_grad()
-def recomputed_greedy(model, ids: list[int], n: int) -> list[int]:
-    "Greedy tokens, each from one prefill of the whole sequence so far over a fresh int8 cache (nothing reused)."
-    cfg, out = model.config, list(ids)
-    for _ in range(n):
-        T, nb = len(out), -(-len(out) // 4)
-        cache = make_kv_cache(cfg.num_hidden_layers, nb, 4, cfg.num_key_value_heads, cfg.head_dim, torch.int8)
-        meta = AttentionMetadata(torch.arange(T), prefills=[PrefillChunk(0, T, 0, torch.arange(nb))])
-        hidden = model(torch.tensor(out), torch.arange(T), [(c[0], c[1]) for c in cache], meta)
-        out.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-    return out[len(ids):]
-
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-SETUPS = {"default": {}, "chunked": dict(max_num_batched_tokens=8, max_num_seqs=4),
-          "preempt": dict(block_size=4, num_kv_blocks=22), "async-off": dict(async_scheduling=False)}
-
-
-@pytest.mark.parametrize("setup", SETUPS)
-def test_an_int8_engine_gives_the_recomputed_tokens(ckpt, setup):
-    model = load_model(ckpt, dtype=torch.float32)
-    prompts = [random_prompt(n, model.config.vocab_size, seed=n) for n in (5, 23, 41)]
-    llm = LLM(ckpt, dtype="float32", device="cpu", kv_cache_dtype="int8", **SETUPS[setup])
-    assert llm.runner.kv_cache.dtype == torch.int8
-    outs = llm.generate(prompts, GREEDY)
-    if setup == "preempt": assert sum(o.num_preemptions for o in outs) > 0
-    assert [o.token_ids for o in outs] == [recomputed_greedy(model, p, 12) for p in prompts]
-    again = llm.generate([prompts[2][:30]], GREEDY)[0]                # a prefix-cache hit on int8 blocks
-    assert again.num_cached_tokens > 0 and again.token_ids == recomputed_greedy(model, prompts[2][:30], 12)
-
-
-def test_int8_blocks_are_a_byte_a_value_and_a_scale_a_row(ckpt):
-    model = load_model(ckpt, dtype=torch.bfloat16)
-    int8, bf16 = kv_cache_dtype("int8", torch.bfloat16), kv_cache_dtype("auto", torch.bfloat16)
+def test_one_byte_blocks(random_qwen2):
+    "fp8: half a bf16 block; int8: a byte a value and a 4-byte scale a row, all of it in the cache's allocation."
+    model = load_model(random_qwen2, dtype=torch.bfloat16)
+    fp8, int8, bf16 = (kv_cache_dtype(c, torch.bfloat16) for c in ("fp8", "int8", "auto"))
     D = model.config.head_dim
+    assert kv_block_bytes(model, 16, bf16) == 2 * kv_block_bytes(model, 16, fp8)
     assert kv_block_bytes(model, 16, bf16) * (D + 4) == 2 * D * kv_block_bytes(model, 16, int8)
     cache = make_kv_cache(model.config.num_hidden_layers, 3, 16, model.config.num_key_value_heads, D, int8)
     assert cache.untyped_storage().nbytes() == 3 * kv_block_bytes(model, 16, int8)    # what the budget counts
@@ -213,6 +183,7 @@ def test_two_ranks_with_an_int8_cache_give_the_tokens_of_one():
     "Tensor parallel: each rank's cache holds its half of the KV heads, each row with its own scale, as one process's."
     from nanoserve.tokenizer import default_model
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self"]
+    GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     one = [o.token_ids for o in LLM(default_model(), dtype="float32", kv_cache_dtype="int8").generate(prompts, GREEDY)]
     llm2 = LLM(default_model(), dtype="float32", kv_cache_dtype="int8", tensor_parallel_size=2)
     try:
