@@ -5,8 +5,6 @@ and value into its slot as torch rounds it; the engine's regimes and the blocks'
 The interpreter rounds some fp32 values to fp8 wrongly (a carry into the exponent is dropped), so the write tests
 use values that are already fp8 numbers (no rounding left to do) and an identity rotation; the kernels' rounding
 itself is checked on the GPU (`kernels/kv_fp8_h200.py`)."""
-import math
-
 import pytest
 import torch
 
