@@ -3,7 +3,8 @@ part).
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT [--parts check,kernel,quality,workload]
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --parts poisson --name kv_fp8_poisson_h200.json
-    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --caches fp8,int8 --name kv_int8_h200.json
+    NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --caches fp8,int8 \
+        --name kv_int8_h200.json
 
 `--caches`: the one-byte dtypes each part sets against the model's (default fp8). For int8 the writes' check is exact
 (the kernels quantize with the reference's fp32 operations: values and scales equal); the Poisson part gives it the
@@ -94,7 +95,8 @@ def check_kernels(device, smoke: bool, dtype=FP8) -> dict:
     outp = prefill_attention(qp, k8, v8, tables[:1], cu, start, n, D ** -0.5)
     refp = prefill_attention_ref(qp.float(), k8, v8, tables[:1], cu, start, D ** -0.5)
     pre_err = ((outp.float() - refp).norm() / refp.norm()).item()
-    res = {"cache": str(dtype).removeprefix("torch."), "heads": [H, KVH, D], "rope_cache_k_bytes_equal": k_equal, "rope_cache_v_bytes_equal": v_equal,
+    res = {"cache": str(dtype).removeprefix("torch."), "heads": [H, KVH, D],
+           "rope_cache_k_bytes_equal": k_equal, "rope_cache_v_bytes_equal": v_equal,
            "decode_rel_err": dec_err, "prefill_rel_err": pre_err}
     # (the interpreter rounds some values to fp8 wrongly: --smoke checks that the code runs, not the bytes)
     assert (v_equal == 1.0 and k_equal > 0.999 or smoke) and dec_err < 2e-2 and pre_err < 2e-2, res
@@ -109,14 +111,16 @@ def check_engines(device, smoke: bool, cache="fp8") -> dict:
     same = same_greedy_tokens(engines, num_prompts, max_tokens)
     del engines; gc.collect()
     assert same or smoke, f"{cache} engines: the Triton kernels' greedy tokens differ from the torch reference's"
-    return {"model": "tiny (fp32)", "cache": cache, "prompts": num_prompts, "tokens_each": max_tokens, "identical": same}
+    return {"model": "tiny (fp32)", "cache": cache, "prompts": num_prompts, "tokens_each": max_tokens,
+            "identical": same}
 
 
 def part_check(res, args, device, smoke):
     res["check"] = {"kernels": check_kernels(device, smoke, DTYPES[args.caches[0]]),
                     "engines": check_engines(device, smoke, args.caches[0])}
     for c in args.caches[1:]:
-        res["check"][c] = {"kernels": check_kernels(device, smoke, DTYPES[c]), "engines": check_engines(device, smoke, c)}
+        res["check"][c] = {"kernels": check_kernels(device, smoke, DTYPES[c]),
+                           "engines": check_engines(device, smoke, c)}
     print(res["check"], flush=True)
 
 
@@ -132,7 +136,8 @@ def part_kernel(res, args, device, smoke):
             tables = torch.arange(B * L, device=device).view(B, L)
             ctx = torch.full((B,), ctx_len, device=device)
             q = torch.randn(B, H, D, device=device, dtype=torch.float32 if smoke else torch.bfloat16)
-            caches = {"bf16": (k32.to(q.dtype), v32.to(q.dtype)), **{c: one_byte(k32, v32, DTYPES[c]) for c in args.caches}}
+            caches = {"bf16": (k32.to(q.dtype), v32.to(q.dtype)),
+                      **{c: one_byte(k32, v32, DTYPES[c]) for c in args.caches}}
             row = {"shape": name, "heads": [H, KVH, D], "batch": B, "context": ctx_len}
             for r in range(2):
                 for which in (list(caches) if r == 0 else list(caches)[::-1]):

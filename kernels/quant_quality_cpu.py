@@ -14,7 +14,8 @@ Writes quant_quality_cpu.json (run metadata inside), which the quantization chap
   and the weights as fp8 checkpoints store them ("fp8 128x128": e4m3 with a scale per 128 x 128 block of each
   projection, as Qwen3's releases; "fp8 tensor": one scale a projection), dequantized as the loader reads them;
 - 0.5B: all 24 layers of the 0.5B shape with random weights (std 0.02) in fp32, 128 random tokens, one forward per
-  format, INT8, INT4 in groups of 32, 64 and 128, fp8 W8A8, kv_fp8, kv_int8 and the fp8 checkpoints' weights: the same measures but perplexity
+  format, INT8, INT4 in groups of 32, 64 and 128, fp8 W8A8, kv_fp8, kv_int8 and the fp8 checkpoints' weights: the
+  same measures but perplexity
   (random targets mean nothing).
 Checked before it is written: INT8 closer than INT4 on both, INT4's error falling with the group on the 0.5B shape.
 `--smoke`: the same code, two short rows of the tiny model and a two-layer random model of the tiny shape.
@@ -27,7 +28,8 @@ from lab import is_smoke, parser, write
 
 import torch
 
-from nanoserve.model import AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM, SHAPES, load_model, make_kv_cache
+from nanoserve.model import (AttentionMetadata, ModelConfig, PrefillChunk, Qwen2ForCausalLM, SHAPES, load_model,
+                             make_kv_cache)
 from nanoserve.quant import fp8_dequantize, fp8_quantize, logit_quality, quantize_model
 from nanoserve.tokenizer import default_model
 from nanoserve.train import heldout_rows
@@ -114,7 +116,8 @@ def tiny_quality(smoke: bool) -> dict:
     bf16_ref, kv_bf16 = bf16_logits(None), []
     for method, cache_dtype in KV_CACHES:
         qual = logit_quality(bf16_ref, bf16_logits(cache_dtype), targets)
-        kv_bf16.append({"method": method, **qual, "ppl_ref": math.exp(qual["nll_ref"]), "ppl_quant": math.exp(qual["nll_quant"])})
+        kv_bf16.append({"method": method, **qual, "ppl_ref": math.exp(qual["nll_ref"]),
+                        "ppl_quant": math.exp(qual["nll_quant"])})
         print("bf16 model", kv_bf16[-1], flush=True)
     return {"model": "tiny-qwen2-stdlib (shipped, fp32)", "rows": int(rows.shape[0]), "seq_len": int(rows.shape[1] - 1),
             "results": out, "kv_in_bf16": {"model": "the same in bf16 (torch reference path), against the bf16 cache",

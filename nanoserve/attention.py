@@ -104,8 +104,9 @@ def store_halves(cache_ptr, x1, x2, dst, mask, blk, offset, h, stride_cb, stride
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                       stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_cb, stride_cs, stride_ch,
                       q_norm_ptr, k_norm_ptr, eps,
-                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, QK_NORM: tl.constexpr = False,
+                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+                      QK_NORM: tl.constexpr = False,
                       PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
     pdl_wait(PDL)                           # every input here is the previous kernels' output
@@ -284,10 +285,10 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
         dst = blk * stride_cb + offset * stride_cs + kvh * stride_ch + d[None, :]
         tl.store(k_cache_ptr + dst, k_new)
         tl.store(v_cache_ptr + dst, v_new)
-        if INT8:
-            one = tl.zeros([1, 1], tl.int32)
-            tl.store(scale_ptrs(k_cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE) + one, k_scale)
-            tl.store(scale_ptrs(v_cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE) + one, v_scale)
+        if INT8:                                      # [1, 1] pointers for the [1, 1] scales
+            at = offset + tl.zeros([1, 1], tl.int32)
+            tl.store(scale_ptrs(k_cache_ptr, blk, at, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE), k_scale)
+            tl.store(scale_ptrs(v_cache_ptr, blk, at, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE), v_scale)
     tl.debug_barrier()                                # the slot written before any thread of the program reads it
     if INT8:                                          # as a read of the slot gives them back
         k_new, v_new = k_new.to(tl.float32) * k_scale, v_new.to(tl.float32) * v_scale

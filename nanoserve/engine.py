@@ -73,7 +73,7 @@ class CacheSpec:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9   # the share of the GPU's memory the engine may fill
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8" (e4m3) or "int8" (+ a scale a row): ~2x blocks
+    kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8" (e4m3), "int8" (a scale a row): ~2x blocks
 
     def __post_init__(self):
         kv_cache_dtype(self.kv_cache_dtype, torch.float32)       # the runner's check of the name

@@ -334,8 +334,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values [T, kv_heads, D] into their cache slots, rounded to the cache's dtype (an fp8 cache
     saturates at its largest value, as a GPU's conversion does; an int8 cache keeps each row's scale too)."""
-    block_size = k_cache.shape[1]
-    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    num_blocks, block_size = k_cache.shape[:2]
+    block = torch.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)    # slot -1: out of range
+    offset = slot_mapping % block_size
     for cache, new in ((k_cache, k), (v_cache, v)):
         if cache.dtype == torch.int8:
             new, scale = quantize_kv(new)                          # [S, KVH, D] int8, [S, KVH] fp32

@@ -1543,7 +1543,7 @@ def _engine_args(e) -> None:
     e.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
                    help="int8/int4 weight-only, or fp8 weights and activations")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
-                   help="the K/V cache's dtype (auto: the model's; fp8: e4m3; int8: with a scale a row; ~2x the blocks)")
+                   help="the K/V cache's dtype (auto: the model's; fp8: e4m3; int8: a scale a row; ~2x the blocks)")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
     e.add_argument("--threads", type=int, default=None,

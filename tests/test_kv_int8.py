@@ -1,15 +1,16 @@
 """The int8 K/V cache (one fp32 scale per token and KV head, kept after each block's values): the Triton kernels read
 it as the torch reference does (values times their rows' scales) and write each new key and value as the reference
 quantizes it (bit for bit: the same fp32 operations); an engine with it gives, in every scheduling regime, the greedy
-tokens of recomputing each token's logits from scratch over an int8 cache (and so does an fp8 one); about twice the blocks of a bf16 cache in
-the same bytes; and, on the trained tiny model, the quantization chapter's quality bar."""
+tokens of recomputing each token's logits from scratch over an int8 cache (and so does an fp8 one); about twice
+the blocks of a bf16 cache in the same bytes; and, on the trained tiny model, the quantization chapter's quality bar."""
 import json
 
 import pytest
 import torch
 
 from helpers import ONE_BYTE_SETUPS, check_one_byte_engine
-from nanoserve.attention import decode_attention, decode_attention_ref, prefill_attention, prefill_attention_ref, rope_cache
+from nanoserve.attention import (decode_attention, decode_attention_ref, prefill_attention, prefill_attention_ref,
+                                 rope_cache)
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.model import kv_scales, load_model, make_kv_cache, quantize_kv, read_kv
 from nanoserve.runner import kv_block_bytes, kv_cache_dtype
@@ -118,8 +119,9 @@ def test_the_command_lines_and_the_limit_know_int8():
     from nanoserve import bench, server
     from nanoserve.bench import BenchRequest, physical_limit
     from nanoserve.tokenizer import default_model
-    assert bench.engine_kwargs_from_args(bench.build_parser().parse_args(["--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
-    assert server.engine_kwargs(server.build_parser().parse_args(["--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
+    args = ["--kv-cache-dtype", "int8"]
+    assert bench.engine_kwargs_from_args(bench.build_parser().parse_args(args))["kv_cache_dtype"] == "int8"
+    assert server.engine_kwargs(server.build_parser().parse_args(args))["kv_cache_dtype"] == "int8"
     reqs = [BenchRequest(tuple(range(40)), 8)] * 4
     auto = physical_limit(default_model(), reqs, {"device": "cpu"})
     int8 = physical_limit(default_model(), reqs, {"device": "cpu", "kv_cache_dtype": "int8"})
