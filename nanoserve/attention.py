@@ -77,6 +77,7 @@ def int8_round(x, MODEL_DTYPE: tl.constexpr):
     return int8_rows(x, tl.max(tl.abs(x), 1)[:, None])
 
 
+# %% ../nbs/06_attention.ipynb #b1c2d304
 @triton.jit
 def scale_ptrs(cache_ptr, blk, offset, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
     "Where an int8 cache keeps the fp32 scales of rows (block `blk`, offset, KV head `kvh`): after the block's values."

@@ -322,6 +322,7 @@ def kv_scales(cache: torch.Tensor) -> torch.Tensor:
                        (cache.stride(0) // KV_SCALE_BYTES, kv_heads, 1))
 
 
+# %% ../nbs/02_model.ipynb #a1b2c305
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Rows [..., D] -> int8 values [..., D] and fp32 scales [...]: each row's largest magnitude maps to 127."
     x = x.float()
