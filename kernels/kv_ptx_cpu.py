@@ -1,0 +1,85 @@
+"""What each K/V cache dtype costs the decode kernel in instructions, counted without a GPU.
+
+Run on any machine from the repo root (no GPU: Triton's own ptxas compiles for sm_90):
+    PYTHONPATH=. python kernels/kv_ptx_cpu.py --out figures/data
+The decode kernel as the engine launches it for Qwen3-0.6B's heads (16 query heads, 8 KV heads of 128, RoPE and the
+q/k norms inside, four splits merged in the kernel), compiled over a bf16, an fp8 and an int8 cache. For each, the
+PTX's instruction count (static: every instruction once, the tile loop's body included once) and its conversions by
+opcode; over int8 a second count with the package's per-value scale multiply taken out of `paged_kv` (a fork of its
+source, the numbers wrong, compiled only): the floor that folding the scales into the scores and probabilities could
+reach. Writes kv_ptx_cpu.json. Static counts predict the instruction stream, not the time: the H200 decides
+(`kernels/kv_fp8_h200.py --caches fp8,int8 --parts kernel`). `--smoke` compiles the int8 kernel only.
+This script runs no kernel, so it never uses the interpreter: it imports the package with TRITON_INTERPRET=0.
+"""
+import os, sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"      # compile for sm_90, never interpret: set before nanoserve is imported
+import nanoserve.attention as A           # noqa: E402  (before lab, which turns the interpreter on under --smoke)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lab import is_smoke, parser, write   # noqa: E402
+os.environ["TRITON_INTERPRET"] = "0"      # (lab's --smoke switch is for scripts that run kernels)
+
+import re                                 # noqa: E402
+from collections import Counter           # noqa: E402
+
+import triton                             # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource     # noqa: E402
+
+HEADS = dict(NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
+             UPCAST=False, ROPE=True, QK_NORM=True, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True)
+SCALED = "k, v = k.to(tl.float32) * ks[:, None], v.to(tl.float32) * vs[:, None]"
+
+
+def compile_ptx(kernel, cache: str) -> str:
+    ptrs = {n: "*bf16" for n in ("q_ptr", "out_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr", "k_norm_ptr")}
+    ptrs.update(k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="*i64", context_lens_ptr="*i64",
+                part_out_ptr="*fp32", part_lse_ptr="*fp32", counter_ptr="*i32", slot_mapping_ptr="*i64")
+    sig, cst, attrs = {}, {}, {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in ptrs: sig[n] = ptrs[n]; attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in HEADS: sig[n] = "constexpr"; cst[(i,)] = HEADS[n]
+        else: sig[n] = "fp32" if n in ("scale_log2", "eps") else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+def count(ptx: str) -> dict:
+    "Instructions (lines that are neither directives, labels, comments nor braces) and conversions by opcode."
+    ops = [ln.split()[0] for ln in map(str.strip, ptx.splitlines())
+           if ln and not ln.startswith((".", "//", "$", "{", "}", "(", ")"))]
+    conv = Counter(op for op in ops if op.startswith(("cvt", "prmt")))
+    return {"instructions": len(ops), "conversions": sum(conv.values()), "by_opcode": dict(conv.most_common(8))}
+
+
+def unscaled_decode_kernel():
+    "The decode kernel compiled from a copy of the module's source whose `paged_kv` skips the per-value scale."
+    src = Path(A.__file__).read_text()
+    assert src.count(SCALED) == 1, "paged_kv's scale multiply moved: update this fork"
+    path = Path(__file__).parent / "_kv_ptx_fork.py"            # Triton compiles from a file it can read
+    path.write_text(src.replace(SCALED, "k, v = k + 0 * ks[:, None].to(k.dtype), v").replace("from .", "from nanoserve."))
+    try:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("_kv_ptx_fork", path)
+        mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+        return compile_ptx(mod.decode_attention_kernel, "*i8")
+    finally:
+        path.unlink()
+
+
+def main():
+    args = parser(__doc__, out="figures/data").parse_args()
+    caches = {"int8": "*i8"} if is_smoke(args) else {"bf16": "*bf16", "fp8": "*fp8e4nv", "int8": "*i8"}
+    res = {"kernel": "decode_attention_kernel", "constexprs": HEADS, "target": "sm_90 (Triton's ptxas, no GPU)",
+           "caches": {name: count(compile_ptx(A.decode_attention_kernel, sig)) for name, sig in caches.items()}}
+    if not is_smoke(args): res["caches"]["int8 without the per-value scale"] = count(unscaled_decode_kernel())
+    for name, c in res["caches"].items(): print(f"{name:34s} {c['instructions']:6,} instructions, "
+                                                f"{c['conversions']:5,} conversions {c['by_opcode']}")
+    assert re.search(r"s8", " ".join(res["caches"]["int8"]["by_opcode"])), "the int8 kernel widens no bytes?"
+    write("kv_ptx_cpu.json", res, args)
+
+
+if __name__ == "__main__":
+    main()
