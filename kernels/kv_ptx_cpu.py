@@ -59,7 +59,9 @@ def unscaled_decode_kernel():
     src = Path(A.__file__).read_text()
     assert src.count(SCALED) == 1, "paged_kv's scale multiply moved: update this fork"
     path = Path(__file__).parent / "_kv_ptx_fork.py"            # Triton compiles from a file it can read
-    path.write_text(src.replace(SCALED, "k, v = k + 0 * ks[:, None].to(k.dtype), v").replace("from .", "from nanoserve."))
+    src = src.replace(SCALED, "k, v = k + 0 * ks[:, None].to(k.dtype), v")
+    path.write_text(re.sub(r"^from \.(\w*) import", lambda m: f"from nanoserve{'.' + m[1] if m[1] else ''} import",
+                           src, flags=re.M))
     try:
         import importlib.util
         spec = importlib.util.spec_from_file_location("_kv_ptx_fork", path)
