@@ -272,11 +272,11 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
     if QK_NORM:
         ka, kb = head_norm_pair(ka, kb, k_norm_ptr, d, partner, eps, HEAD_DIM)
     k_new = tl.where(first, ka * cos - kb * sin, ka * cos + kb * sin)                              # [1, D] fp32
-    v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d).to(tl.float32)[None, :]
+    v_new = tl.load(k_row + (NUM_HEADS // G) * HEAD_DIM + d)[None, :]                            # [1, D]
     INT8: tl.constexpr = k_cache_ptr.dtype.element_ty.is_int8()
     if INT8:                                          # int8 values [1, D] and their scales [1, 1]
         k_new, k_scale = int8_round(k_new, q_ptr.dtype.element_ty)
-        v_new, v_scale = int8_round(v_new, q_ptr.dtype.element_ty)
+        v_new, v_scale = int8_round(v_new.to(tl.float32), q_ptr.dtype.element_ty)
     else:
         k_new, v_new = k_new.to(k_cache_ptr.dtype.element_ty), v_new.to(v_cache_ptr.dtype.element_ty)
     last = ctx - 1                                    # the new token's position; its split writes it
