@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 # %% auto #0
 __all__ = ['hash_block', 'Block', 'CacheConfig', 'BlockPool', 'evict_block', 'take_free_block', 'acquire_block', 'release_blocks',
-           'BlockTables', 'check_tables', 'check_blocks', 'prefix_hits', 'PrefixCache', 'ForkTables', 'BlockManager']
+           'BlockTables', 'trim_slots', 'check_tables', 'check_blocks', 'prefix_hits', 'PrefixCache', 'ForkTables',
+           'BlockManager']
 
 # %% ../nbs/00_block_manager.ipynb #fffac851
 def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
@@ -172,6 +173,20 @@ class BlockTables(BlockPool):
         for block_id in list(self._cached): evict_block(self, block_id); self._free_ids.append(block_id)
         self._cached.clear()
         return num_forgotten
+
+# %% ../nbs/00_block_manager.ipynb #b7d1e0a3
+def trim_slots(self: BlockTables, seq_id: int, num_tokens: int) -> list[int]:
+    """Shrink `seq_id`'s table to the blocks of its first `num_tokens` tokens (a verify step's rejected drafts go);
+    returns the freed ids. Every full, computed block must stay whole: it may be named, shared, or both."""
+    table, keep = self._tables[seq_id], self.num_blocks_for(num_tokens)
+    if num_tokens < max(1, self._num_computed_blocks[seq_id] * self.block_size):
+        raise ValueError(f"sequence {seq_id}: cannot trim to {num_tokens} tokens, into its computed blocks")
+    freed = table[keep:]
+    del table[keep:], self._table_arrays[seq_id][keep:]
+    release_blocks(self, freed)
+    return freed
+
+BlockTables.trim_slots = trim_slots
 
 # %% ../nbs/00_block_manager.ipynb #a6999b7f
 def check_tables(t: BlockTables) -> list[int]:

@@ -196,6 +196,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         with pytest.raises(IndexError):
             bm.slot_mapping(seq_id, 0, len(self.tables[seq_id]) * bs + 1)
 
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def trim(self, data):
+        "Give back the tail of a table (a verify step's rejected drafts): fresh blocks only, no full computed block cut."
+        bm, bs = self.bm, self.bs
+        seq_id = data.draw(st.sampled_from(sorted(self.tables)))
+        n = data.draw(st.integers(0, len(self.tokens[seq_id])))
+        keep, table = ceil_div(n, bs), self.tables[seq_id]
+        before, free_before = snapshot(bm), bm.num_free_blocks
+        if n < max(1, bm._num_computed_blocks[seq_id] * bs):
+            with pytest.raises(ValueError, match="cannot trim"):
+                bm.trim_slots(seq_id, n)
+            assert snapshot(bm) == before, "a refused trim_slots changed the manager"
+            event("trim refused")
+            return
+        freed = bm.trim_slots(seq_id, n)
+        assert freed == table[keep:]
+        assert not set(freed) & self.in_use() - set(freed), "a trimmed block was held by another table"
+        for b in freed:
+            assert bm.blocks[b].ref_count == 0 and bm.blocks[b].hash is None and b in bm._free_ids
+            self.content.pop(b, None)
+        assert bm.num_free_blocks == free_before + len(freed)
+        if freed: event("trim frees blocks")
+        del table[keep:], self.tokens[seq_id][n:]
+        self.computed[seq_id] = min(self.computed[seq_id], n)
+        assert bm.block_table(seq_id) == table
+
     def _cache(self, seq_id: int, n: int) -> None:
         bm, bs = self.bm, self.bs
         tokens = self.tokens[seq_id]
