@@ -1,0 +1,74 @@
+"""How many tokens a speculative step would emit with prompt lookup, on the trained tiny model (CPU, no GPU needed).
+
+The speculative-decoding chapter shows that a verify step emits exactly the tokens plain decoding would, so the
+number of verify steps is a function of the plain output alone (`nanoserve.speculative.verify_steps`). This script
+decodes held-out standard-library code greedily with the shipped tiny model, then counts the steps prompt lookup
+would take for each (k, n range), on two workloads:
+
+- code: the first 128 tokens of a held-out row, continued for 128 tokens;
+- edit: the same 128 tokens followed by their own first 24 again, continued for 128 tokens (an output that repeats
+  much of its prompt, as an edit or a rewrite does).
+
+Tokens a step = output tokens after the first (which the prefill step gives) over the decode steps they take; plain
+decoding is exactly 1. The speed-up at batch 1 is this over the cost of a verify step relative to a decode step
+(measured on the H200, not here).
+
+    PYTHONPATH=. python kernels/speculative_cpu.py --out figures/data
+"""
+import sys; from pathlib import Path
+sys.path.insert(0, str(Path(__file__).parent))      # the only sys.path use in the lab
+from lab import is_smoke, parser, write
+
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.speculative import SpeculativeConfig, verify_steps
+from nanoserve.tokenizer import default_model
+from nanoserve.train import heldout_rows
+
+DRAFTS = (2, 4, 8)
+NGRAMS = ((1, 3), (2, 4), (3, 5))
+
+
+def workloads(rows: torch.Tensor, prompt_len: int, repeat: int) -> dict:
+    "Prompts (token id lists) of the two workloads."
+    code = [r[:prompt_len].tolist() for r in rows]
+    return {"code": code, "edit": [p + p[:repeat] for p in code]}
+
+
+def acceptance(prompts: list, outputs: list, k: int, n_min: int, n_max: int) -> dict:
+    "Decode steps with and without prompt lookup over the plain outputs, and the tokens each step emits."
+    cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=n_min, prompt_lookup_max=n_max)
+    steps = [verify_steps(p + o, len(p), cfg) for p, o in zip(prompts, outputs)]
+    tokens, num_steps = sum(map(sum, steps)), sum(map(len, steps))
+    return {"k": k, "n_min": n_min, "n_max": n_max, "tokens": tokens, "steps": num_steps,
+            "tokens_per_step": tokens / num_steps,
+            "per_request": [sum(s) / len(s) for s in steps if s]}
+
+
+def main():
+    args = parser(__doc__, out="figures/data").parse_args()
+    smoke = is_smoke(args)
+    t0 = time.perf_counter()
+    num_rows, prompt_len, max_tokens = (2, 32, 16) if smoke else (16, 128, 128)
+    rows = heldout_rows(default_model() / "tokenizer.json", num_rows=num_rows, seq_len=2 * prompt_len)
+    llm = LLM(max_model_len=4 * prompt_len)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    results = {}
+    for name, prompts in workloads(rows, prompt_len, repeat=3 * prompt_len // 16).items():
+        outputs = [list(o.token_ids) for o in llm.generate(prompts, params)]
+        assert all(len(o) == max_tokens for o in outputs)
+        results[name] = {"num_prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+                         "max_tokens": max_tokens,
+                         "rows": [acceptance(prompts, outputs, k, lo, hi) for k in DRAFTS for lo, hi in NGRAMS]}
+        for r in results[name]["rows"]:
+            print(f"{name} k={r['k']} n={r['n_min']}..{r['n_max']}: {r['tokens_per_step']:.3f} tokens a step")
+    write("speculative_cpu.json", {"model": "tiny-qwen2-stdlib (shipped, fp32), greedy", "workloads": results,
+                                   "cpu_threads": torch.get_num_threads(),
+                                   "seconds": time.perf_counter() - t0}, args)
+
+
+if __name__ == "__main__":
+    main()
