@@ -28,13 +28,14 @@ from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus, Step
+from .speculative import SpeculativeConfig, ngram_propose, split_draws
 from .structured import GrammarCompiler
 from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
 
 # %% auto #0
-__all__ = ['LEDGER_PHASES', 'SAMPLING_DEFAULTS', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'config_line',
-           'engine_config', 'StepLedger', 'cpu_threads', 'engine_device', 'EngineSetup', 'EngineLoad', 'worker_spec',
-           'eos_token_ids', 'generation_defaults', 'EngineStart', 'prompt_token_ids', 'check_context',
+__all__ = ['LEDGER_PHASES', 'SAMPLING_DEFAULTS', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'check_speculative',
+           'config_line', 'engine_config', 'StepLedger', 'cpu_threads', 'engine_device', 'EngineSetup', 'EngineLoad',
+           'worker_spec', 'eos_token_ids', 'generation_defaults', 'EngineStart', 'prompt_token_ids', 'check_context',
            'check_token_ids', 'EngineRequests', 'abort_request', 'EngineStep', 'EngineLaunch', 'EngineAsync',
            'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
 
@@ -117,6 +118,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     show_progress: bool = False       # show CUDA-graph capture's progress
     freeze_gc: bool = False           # after start-up, hide everything alive from the cycle collector (below)
+    speculative: SpeculativeConfig | None = None   # drafts verified in one step (the speculative chapter); None: off
 
     def __post_init__(self):
         for name, cls in _SECTIONS.items():
@@ -124,6 +126,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         if self.quant.method is not None and self.parallel.tensor_parallel_size != 1:
             raise ValueError("quantization with tensor_parallel_size > 1 is not supported")
+        if self.speculative is not None: check_speculative(self)
 
     def to_dict(self) -> dict:
         "The whole configuration as plain JSON-ready values."
@@ -131,19 +134,29 @@ class EngineConfig:
 
     def __str__(self) -> str: return config_line(self)
 
+# %% ../nbs/12_engine.ipynb #a9e2c101
+def check_speculative(c: EngineConfig) -> None:
+    "Raise `ValueError` unless `c.speculative` is a `SpeculativeConfig` the rest of `c` can run."
+    if not isinstance(c.speculative, SpeculativeConfig):
+        raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {type(c.speculative).__name__!r}")
+    if c.parallel.tensor_parallel_size != 1:
+        raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
+    if c.batch.async_scheduling:     # the drafts come from the last step's tokens: steps run one after another
+        raise ValueError("speculative decoding runs with async_scheduling off (None: off with it)")
+
 # %% ../nbs/12_engine.ipynb #82c1dea8
 def config_line(c: EngineConfig) -> str:
     "One line: the fields that differ from the defaults."
-    changed = [f"{k}.{f}={v!r}" for k, section in c.to_dict().items() if isinstance(section, dict)
+    changed = [f"{k}.{f}={v!r}" for k, section in c.to_dict().items() if k in _SECTIONS
                for f, v in section.items() if v != getattr(_SECTIONS[k](), f)]
-    changed += [f"{k}={getattr(c, k)!r}" for k in ("show_progress", "freeze_gc") if getattr(c, k)]
+    changed += [f"{k}={getattr(c, k)!r}" for k in ("show_progress", "freeze_gc", "speculative") if getattr(c, k)]
     return "EngineConfig(" + ", ".join(changed) + ")"
 
 # %% ../nbs/12_engine.ipynb #30a8534b
 _ALIASES = {"enforce_eager": ("kernels", "cuda_graphs", lambda v: not v), "quantization": ("quant", "method", None),
             "quant_group_size": ("quant", "group_size", None)}
 _FIELDS = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
-_TOP = ("show_progress", "freeze_gc")
+_TOP = ("show_progress", "freeze_gc", "speculative")
 
 
 def _keyword(name: str, value) -> tuple[str, str, object]:
@@ -245,7 +258,8 @@ class EngineSetup:
             k.attention_backend, k.fused_kernels, k.row_gemv, k.pdl)
         self.use_cuda_graphs = k.cuda_graphs
         async_ = ec.batch.async_scheduling
-        self.async_scheduling = self.device.type == "cuda" if async_ is None else bool(async_)
+        on_gpu = self.device.type == "cuda" and ec.speculative is None       # speculative steps run one at a time
+        self.async_scheduling = on_gpu if async_ is None else bool(async_)
         self.block_size, self.seed = ec.cache.block_size, ec.load.seed
         self._inflight = None           # async scheduling: (step, launched) whose tokens are not back yet
         self._launched = None           # and (step, launched) queued behind it, not yet advanced (constrained steps)
@@ -256,6 +270,7 @@ class EngineSetup:
         self._requests: dict[int, _Request] = {}        # seq id -> choice
         self._groups: dict[int, _Group] = {}            # request id -> its choices
         self._num_special = self._num_constrained = 0   # live choices that need extras, and a grammar
+        self.num_draft_tokens = self.num_accepted_tokens = 0    # speculative decoding: drafts verified, and kept
         self._grammars, self._grammar_lock = None, threading.Lock()
         self._mask_buffers = None                       # grammar bitmasks' host buffers (made on first use)
         self._ids = itertools.count()
@@ -529,11 +544,12 @@ class EngineStep(EngineRequests):
         if not self.scheduler.has_unfinished(): return []
         row = {} if self.ledger is not None else None
         t0 = time.perf_counter()
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(self._drafts())
         t1 = time.perf_counter()
         tokens, launched, plan = self._run(step, row)
         t2 = time.perf_counter()
-        self.scheduler.update(step, tokens)
+        tokens, more = self._verified(step, tokens)
+        self.scheduler.update(step, tokens, more)
         self._after_tokens(step, tokens, launched, plan)
         reports = self._reports(step, t2)
         t3 = time.perf_counter()
@@ -563,6 +579,7 @@ class EngineStep(EngineRequests):
 def _sampling(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
     """(the sampled rows' fixed parameters, each row's offset: its output length) of `step`. The fixed columns, and
     their packed bytes, are kept while the step's sampled sequences are the last step's: only the offsets are new."""
+    if step.chunks and any(s.num_drafts for s in step.chunks): return self._draw_rows(step)
     ids, kept = step.sample_seq_ids, self._sampling_kept
     if kept is None or kept[0] != ids:
         choices = [self._requests[i] for i in ids]
@@ -622,6 +639,41 @@ def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, pla
             self.scheduler.abort(r.seq.seq_id, reason="grammar")     # complete: nothing else may follow
 
 EngineStep._after_tokens = _after_tokens
+
+# %% ../nbs/12_engine.ipynb #b3f0d202
+def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
+    "Prompt lookup's drafts for each running sequence in decode (None: speculation off, or not for this batch)."
+    spec = self.engine_config.speculative
+    if spec is None or self._num_special or self._num_constrained: return None
+    drafts, k = {}, spec.num_speculative_tokens
+    for seq in self.scheduler.running:
+        room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens
+        if room < 1 or seq.num_computed_tokens != seq.num_tokens - 1: continue
+        if d := ngram_propose(seq.all_token_ids, min(k, room), spec.prompt_lookup_max, spec.prompt_lookup_min):
+            drafts[seq.seq_id] = d
+    return drafts
+
+
+def _verified(self: EngineStep, step: Step, draws: list[int]) -> tuple[list[int], dict | None]:
+    "(a token for each sampled sequence, a verify row's further tokens) from a step's draws; drafts counted."
+    if self.engine_config.speculative is None: return draws, None
+    tokens, more = split_draws(step, draws)
+    self.num_draft_tokens += sum(s.num_drafts for s in step.chunks)
+    self.num_accepted_tokens += sum(map(len, more.values()))
+    return tokens, more
+
+
+def _draw_rows(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
+    "`_sampling` of a step with verify rows: a row for each draw, a verify row's k + 1 at output offsets j .. j + k."
+    counts = [1] * len(step.decodes or ()) + [s.num_drafts + 1 for s in step.chunks if s.sample]
+    rows, offsets = [], []
+    for seq_id, n in zip(step.sample_seq_ids, counts):
+        c = self._requests[seq_id]
+        j = len(c.seq.output_token_ids)
+        rows += [c.sampling_row] * n; offsets += range(j, j + n)
+    return SamplingRows(*zip(*rows)), offsets
+
+EngineStep._drafts, EngineStep._verified, EngineStep._draw_rows = _drafts, _verified, _draw_rows
 
 # %% ../nbs/12_engine.ipynb #5ca7241c
 class EngineLaunch(EngineStep):

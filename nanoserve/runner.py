@@ -225,11 +225,11 @@ def put_prefills(sec: Sections, prefills: list) -> int:
 
 # %% ../nbs/10_runner.ipynb #51f5548d
 def sample_rows(step: Step) -> list[int]:
-    "The flat-batch row of each sampled sequence's last token."
+    "The flat-batch row of each sampled sequence's last token (a verify row's every row: its last token's, its drafts')."
     rows, t = [], 0
     for s in step.seqs:
         t += s.num_tokens
-        if s.sample: rows.append(t - 1)
+        if s.sample: rows.extend(range(t - 1 - s.num_drafts, t))
     return rows
 
 
@@ -609,7 +609,8 @@ class RunnerHost(RunnerGraphs):
              extras: SamplingExtras | None = None) -> StepInputs:
         """The host side of `step`: `sampling` holds (temperature, top_p, top_k, seed, offset) per sampled row;
         `extras`, what some rows ask beyond that (a step that scores prompt rows runs eagerly)."""
-        eager, rows, self._table_update = extras is not None and extras.forces_eager, None, None
+        eager = (extras is not None and extras.forces_eager) or any(s.num_drafts for s in step.chunks)   # verify rows
+        rows, self._table_update = None, None
         if not eager and (replay := self.graph_bucket(step)):
             bucket, max_blocks = replay
             width = min(_pow2(max_blocks), self.graphs.max_blocks)    # the longest block table, rounded up

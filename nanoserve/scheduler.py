@@ -18,10 +18,11 @@ from .block_manager import BlockManager, CacheConfig
 # %% auto #0
 __all__ = ['SchedulerConfig', 'SequenceStatus', 'Sequence', 'TokenSlices', 'ScheduledSeq', 'DecodeRows', 'Step', 'Trace',
            'check_new_request', 'check_request_fits', 'seq_chunk', 'SchedulerQueues', 'SchedulerMoves',
-           'num_fork_tokens', 'admission_kind', 'admission_blocker', 'schedule_decodes', 'next_decode_rows',
-           'kept_decode_rows', 'schedule_prefills', 'admit_waiting', 'advance_seqs', 'resolve_seqs', 'check_queues',
-           'check_sequences', 'Scheduler', 'write_fake_kv', 'check_fake_kv', 'FakeModel', 'Request',
-           'lognormal_workload', 'SimResult', 'feed_requests', 'simulate', 'replay']
+           'num_fork_tokens', 'admission_kind', 'admission_blocker', 'verify_row', 'schedule_decodes',
+           'next_decode_rows', 'kept_decode_rows', 'schedule_prefills', 'admit_waiting', 'advance_seqs',
+           'accept_drafts', 'resolve_seqs', 'check_queues', 'check_sequences', 'Scheduler', 'write_fake_kv',
+           'check_fake_kv', 'FakeModel', 'Request', 'lognormal_workload', 'SimResult', 'feed_requests', 'simulate',
+           'replay']
 
 # %% ../nbs/01_scheduler.ipynb #51df287c
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class ScheduledSeq:
     slot_mapping: list[int]    # cache slot of each new token
     sample: bool               # sample a next token after this step
     is_decode: bool = False
+    num_drafts: int = 0        # a verify row: its last token then this many drafts, a token drawn at each
 
     @property
     def num_tokens(self) -> int: return len(self.token_ids)
@@ -186,9 +188,9 @@ class Step:
         return (self.decodes.seq_ids[:] if self.decodes else []) + [s.seq_id for s in self.chunks if s.sample]
 
     def sampled_context_lens(self) -> list[int]:
-        "The context length of each sampled row, in `sample_seq_ids`' order."
+        "Each sampled row's context length at its first draw (a verify row's last token), in `sample_seq_ids`' order."
         d = self.decodes.context_lens() if self.decodes else []
-        return d + [s.context_len for s in self.chunks if s.sample]
+        return d + [s.context_len - s.num_drafts for s in self.chunks if s.sample]
 
     def __repr__(self) -> str: return f"Step({self.step_id}, {self.seqs!r}, {self.preempted_seq_ids!r})"
 
@@ -369,11 +371,27 @@ def admission_blocker(sched: SchedulerMoves, seq: Sequence, parent: Sequence | N
     fits = bm.can_fork(parent.seq_id, num_shared, seq.num_tokens, watermark=watermark)
     return None if fits else "blocks"
 
+# %% ../nbs/01_scheduler.ipynb #5c1a7e02
+def verify_row(sched: SchedulerMoves, seq: Sequence, pos: int, drafts: list[int], budget: int) -> ScheduledSeq | None:
+    """`seq`'s last token (at `pos`) and up to all of its `drafts` as one chunk with a token drawn at every position,
+    its slots appended; None when not even one draft fits the budget and the free blocks above the watermark."""
+    bm, seq_id = sched.block_manager, seq.seq_id
+    room = bm.num_free_blocks - bm.config.watermark_blocks + len(bm.block_table(seq_id))
+    k = min(len(drafts), budget - 1)
+    while k and bm.num_blocks_for(pos + 1 + k) > room: k -= 1
+    if not k: return None
+    bm.append_slots(seq_id, pos + 1 + k)
+    last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+    return ScheduledSeq(seq_id, [last] + drafts[:k], pos, list(bm.block_table(seq_id)),
+                        bm.slot_mapping(seq_id, pos, pos + 1 + k), sample=True, num_drafts=k)
+
 # %% ../nbs/01_scheduler.ipynb #d49ab6f9
-def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list, budget: int) -> int:
+def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list, budget: int,
+                     scheduled: list | None = None, drafts: dict | None = None) -> int:
     """Pass 1: one token for each running decode, oldest first, appended to `decodes`' columns; where a decode needs
-    a block and none is free, preempt the youngest running sequence (possibly itself) until it fits. Returns the
-    budget left. (It runs for every sequence of every step: names held locally, no object per row.)"""
+    a block and none is free, preempt the youngest running sequence (possibly itself) until it fits. A sequence with
+    `drafts` (seq id -> token ids) that fit goes to `scheduled` as a verify row instead. Returns the budget left.
+    (It runs for every sequence of every step: names held locally, no object per row.)"""
     bm, running, d = sched.block_manager, sched.running, decodes
     bs, table_of, array_of = bm.block_size, bm.block_table, bm.block_table_array
     add_id, add_token, add_pos, add_slot = d.seq_ids.append, d.token_ids.append, d.positions.append, d.slots.append
@@ -384,6 +402,8 @@ def schedule_decodes(sched: SchedulerMoves, decodes: DecodeRows, preempted: list
         out, seq_id = seq.output_token_ids, seq.seq_id
         pos = len(seq.prompt_token_ids) + len(out) - 1              # the one uncomputed token's position
         if pos != seq.num_computed_tokens: continue                 # still in prefill
+        if drafts and seq_id in drafts and (v := verify_row(sched, seq, pos, drafts[seq_id], budget)):
+            scheduled.append(v); budget -= v.num_tokens; continue
         table = table_of(seq_id)
         if pos >= len(table) * bs:                                  # its last block is full: it needs one more
             while not bm.can_append(seq_id, pos + 1):
@@ -500,7 +520,7 @@ def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
         if s.sample: advanced.append(None)
         seq = get_seq(s.seq_id)
         if seq is None or seq.status is not running: continue   # aborted or stopped meanwhile
-        n, computed = len(s.token_ids), seq.num_computed_tokens
+        n, computed = len(s.token_ids) - s.num_drafts, seq.num_computed_tokens   # drafts count once accepted
         if s.start_pos < seq.max_computed_tokens:   # computed before a preemption: this is recompute
             seq.num_recomputed_tokens += min(s.start_pos + n, seq.max_computed_tokens) - s.start_pos
         if s.start_pos < len(seq.prompt_token_ids):   # prefill: prompt positions computed (forks skip theirs)
@@ -514,16 +534,35 @@ def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
         advanced[-1] = seq
         if len(seq.output_token_ids) >= seq.max_tokens: _leave_at_length(sched, seq)
 
+# %% ../nbs/01_scheduler.ipynb #6d2b8f02
+def accept_drafts(sched: SchedulerMoves, seq: Sequence, tokens: list[int]) -> str | None:
+    """Append a verify row's further `tokens` after its first (each one's predecessor is an accepted draft, its K/V
+    computed), up to a stop token or `max_tokens`; name its newly full blocks, give back its slots past its tokens.
+    Returns "stop" or "length" when it finished, else None."""
+    out, bm, reason = seq.output_token_ids, sched.block_manager, None
+    if len(out) >= seq.max_tokens: return "length"           # it left the batch when the step was advanced
+    for token in tokens[:seq.max_tokens - len(out)]:
+        out.append(token); seq.num_computed_tokens += 1
+        if token in seq.stop_token_ids: reason = "stop"; break
+    reason = reason or ("length" if len(out) >= seq.max_tokens else None)
+    seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
+    bm.cache_blocks(seq.seq_id, TokenSlices(seq), seq.num_computed_tokens)
+    if reason is None: bm.trim_slots(seq.seq_id, seq.num_tokens)
+    return reason
+
 # %% ../nbs/01_scheduler.ipynb #c196dd0f
-def resolve_seqs(sched: SchedulerMoves, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
-    "Put the in-flight `step`'s sampled tokens in place of its placeholders; returns the sequences that finished."
-    finished, first, done = [], step.step_id + 1, SequenceStatus.FINISHED
-    for seq, token, context_len in zip(sched._advanced, sampled_token_ids, step.sampled_context_lens()):
+def resolve_seqs(sched: SchedulerMoves, step: Step, sampled_token_ids: list[int],
+                 more: dict | None = None) -> list[Sequence]:
+    """Put the in-flight `step`'s sampled tokens in place of its placeholders, and after them the further tokens
+    `more` gives a verify row (by its index among the sampled); returns the sequences that finished."""
+    finished, first, done, more = [], step.step_id + 1, SequenceStatus.FINISHED, more or {}
+    for j, (seq, token, context_len) in enumerate(zip(sched._advanced, sampled_token_ids, step.sampled_context_lens())):
         if seq is None or seq.status is done: continue                    # aborted (or stopped) meanwhile
         k = context_len - len(seq.prompt_token_ids)                       # where its placeholder went
         seq.output_token_ids[k] = token
         if seq.first_token_step is None: seq.first_token_step = first
         if token in seq.stop_token_ids: reason = "stop"
+        elif j in more and (reason := accept_drafts(sched, seq, more[j])): k = len(seq.output_token_ids) - 1
         elif seq in sched.finishing: reason = "length"
         else: continue
         del seq.output_token_ids[k + 1:]              # a placeholder of a step launched after this one
@@ -560,12 +599,13 @@ def check_sequences(sched: SchedulerMoves) -> None:
 class Scheduler(SchedulerMoves):
     "Continuous (or static) batching over a paged KV cache; emits one `Step` at a time."
 
-    def schedule(self) -> Step:
-        "Decide the next step. Raises if the previous step was not `update`d."
+    def schedule(self, drafts: dict | None = None) -> Step:
+        "Decide the next step (`drafts`: seq id -> drafted tokens to verify). Raises if the last was not `update`d."
         if self._pending_step is not None: raise RuntimeError("update() the previous step before scheduling another")
         budget, scheduled, preempted = self.config.max_num_batched_tokens, [], []
-        decodes = kept_decode_rows(self, budget)
-        if decodes is None: decodes = DecodeRows(); budget = schedule_decodes(self, decodes, preempted, budget)
+        decodes = None if drafts else kept_decode_rows(self, budget)
+        if decodes is None:
+            decodes = DecodeRows(); budget = schedule_decodes(self, decodes, preempted, budget, scheduled, drafts)
         else: budget -= len(decodes); self.num_persistent_steps += 1
         budget = schedule_prefills(self, scheduled, budget, decodes.seq_ids)
         admit_waiting(self, scheduled, preempted, budget)
@@ -587,10 +627,11 @@ class Scheduler(SchedulerMoves):
         self._pending_step = None
         self._record("cancel", seq_ids=[s.seq_id for s in step.seqs])
 
-    def update(self, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
-        "Apply a computed step: one sampled token per `step.sample_seq_ids`, in order. Returns finished sequences."
+    def update(self, step: Step, sampled_token_ids: list[int], more: dict | None = None) -> list[Sequence]:
+        """Apply a computed step: one sampled token per `step.sample_seq_ids`, in order (and a verify row's further
+        tokens in `more`, by that index). Returns finished sequences."""
         self.advance(step)
-        return self.resolve(step, sampled_token_ids)
+        return self.resolve(step, sampled_token_ids, more)
 
     def advance(self, step: Step) -> None:
         """Apply what a launched `step` computes before its sampled tokens are known: the j-th sampled sequence
@@ -600,14 +641,14 @@ class Scheduler(SchedulerMoves):
         self._pending_step, self._inflight = None, step
         advance_seqs(self, step)
 
-    def resolve(self, step: Step, sampled_token_ids: list[int]) -> list[Sequence]:
+    def resolve(self, step: Step, sampled_token_ids: list[int], more: dict | None = None) -> list[Sequence]:
         "Put the in-flight `step`'s sampled tokens in place of its placeholders; returns the sequences that finished."
         if step is not self._inflight: raise ValueError("resolve() must get the step that advance() got last")
         sample_ids = step.sample_seq_ids
         if len(sampled_token_ids) != len(sample_ids):
             raise ValueError(f"expected {len(sample_ids)} sampled tokens, got {len(sampled_token_ids)}")
         self._inflight = None
-        return resolve_seqs(self, step, sampled_token_ids)
+        return resolve_seqs(self, step, sampled_token_ids, more)
 
     def check_invariants(self) -> None:
         "Assert the scheduler's bookkeeping agrees with the block manager's (used by the tests)."

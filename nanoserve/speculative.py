@@ -8,8 +8,10 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+from .scheduler import Step
+
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'ngram_propose', 'accepted_tokens', 'verify_steps']
+__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'ngram_propose', 'accepted_tokens', 'split_draws', 'verify_steps']
 
 # %% ../nbs/09b_speculative.ipynb #dcf3dda2
 SPECULATIVE_METHODS = ("ngram",)
@@ -27,9 +29,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
 
 # %% ../nbs/09b_speculative.ipynb #4e595d26
 def ngram_propose(token_ids, k: int, n_max: int, n_min: int = 1) -> list[int]:
@@ -52,6 +56,20 @@ def accepted_tokens(draft_ids: list[int], sampled_ids: list[int]) -> list[int]:
     for i, (draft, sampled) in enumerate(zip(draft_ids, sampled_ids)):
         if draft != sampled: return list(sampled_ids[:i + 1])
     return list(sampled_ids)
+
+# %% ../nbs/09b_speculative.ipynb #8f4d0b02
+def split_draws(step: Step, draws: list[int]) -> tuple[list[int], dict[int, list[int]]]:
+    """(each sampled sequence's first emitted token, {its index: the further tokens a verify row emits}) from the
+    step's flat draws: one a plain row, `num_drafts + 1` a verify row."""
+    num_plain = len(step.decodes or ())                      # decode columns first: one draw each
+    tokens, more, i = list(draws[:num_plain]), {}, num_plain
+    for s in step.chunks:
+        if not s.sample: continue
+        emitted = accepted_tokens(s.token_ids[1:], draws[i:i + s.num_drafts + 1]) if s.num_drafts else [draws[i]]
+        if len(emitted) > 1: more[len(tokens)] = emitted[1:]
+        tokens.append(emitted[0]); i += s.num_drafts + 1
+    if i != len(draws): raise ValueError(f"expected {i} draws for the step, got {len(draws)}")
+    return tokens, more
 
 # %% ../nbs/09b_speculative.ipynb #0d255ee9
 def verify_steps(token_ids, num_prompt_tokens: int, config: SpeculativeConfig) -> list[int]:

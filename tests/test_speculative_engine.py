@@ -1,0 +1,101 @@
+"""Speculative decoding in the engine, on the CPU: with prompt lookup on, every request gets exactly the tokens it
+gets with it off (greedy and seeded sampling, in the scheduler's regimes: chunked prefill, preemption, prefix hits,
+forks, stop tokens, max_tokens at every offset), drafts are really verified and kept, no block leaks, and what
+cannot speculate (extras, grammars) decodes as before."""
+import pytest
+
+from nanoserve.engine import LLM, SamplingParams
+from nanoserve.speculative import SpeculativeConfig
+from nanoserve.tokenizer import default_model
+
+MODEL = default_model()            # the trained tiny model: it repeats code, so prompt lookup's drafts often hold
+PROMPTS = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef g(x):\n    return", "Hello",
+           "for i in range(10):\n    print(i)\nfor i in range(10):\n", "class A:\n    pass\n\n\nclass B", "x = 1\n" * 9]
+MAX_TOKENS = (40, 33, 7, 48, 1, 26)
+
+
+def _run(speculative, params, num_kv_blocks=96, max_num_batched_tokens=64, max_num_seqs=4, prompts=PROMPTS):
+    "Outputs of `prompts`, stepping by hand with every invariant checked after each step; the engine too."
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, speculative=speculative)
+    for p, sp in zip(prompts, params): llm.add_request(p, sp, stream=False)
+    outs, steps = {}, 0
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished: outs[(o.request_id, o.index)] = (o.token_ids, o.finish_reason, o.num_preemptions)
+        llm.scheduler.check_invariants()
+        steps += 1
+    assert llm.block_manager.num_used_blocks == 0 and not llm.scheduler.seqs     # nothing leaked
+    return [outs[k] for k in sorted(outs)], steps, llm
+
+
+def _greedy(max_tokens=MAX_TOKENS, **kw):
+    return [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, **kw) for m in max_tokens]
+
+
+@pytest.mark.parametrize("regime", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tokens_are_plain_decodings(regime, temperature):
+    kw = {"plain": {}, "chunked": {"max_num_batched_tokens": 16}, "preempt": {"num_kv_blocks": 7}}[regime]
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    plain, plain_steps, _ = _run(None, params, **kw)
+    spec, spec_steps, llm = _run(SpeculativeConfig(), params, **kw)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    assert [r for _, r, _ in spec] == [r for _, r, _ in plain]
+    assert llm.num_accepted_tokens > 0 and llm.num_draft_tokens >= llm.num_accepted_tokens
+    if regime == "preempt": assert sum(p for _, _, p in spec) > 0               # 7 blocks of 16: preemption happens
+    if regime == "plain" and temperature == 0: assert spec_steps < plain_steps
+
+
+def test_stop_tokens_and_eos_mid_draft():
+    "A stop token among the accepted drafts ends the request there, as it would one token at a time."
+    full, _, _ = _run(None, _greedy())
+    stops = [toks[len(toks) // 2] if len(toks) > 2 else 0 for toks, _, _ in full]
+    params = [SamplingParams(max_tokens=m, temperature=0, stop_token_ids=[t]) for m, t in zip(MAX_TOKENS, stops)]
+    plain, _, _ = _run(None, params)
+    spec, _, llm = _run(SpeculativeConfig(num_speculative_tokens=8), params)
+    assert spec == plain and sum(r == "stop" for _, r, _ in spec) >= 3
+    assert llm.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_max_tokens_at_every_offset(max_tokens):
+    "Drafts are capped so that a step never passes max_tokens."
+    params = _greedy([max_tokens] * len(PROMPTS))
+    plain, _, _ = _run(None, params)
+    spec, _, _ = _run(SpeculativeConfig(num_speculative_tokens=4), params)
+    assert spec == plain and all(len(t) == max_tokens for t, _, _ in spec)
+
+
+def test_prefix_hits_and_forks():
+    "A repeated prompt hits the prefix cache (only accepted tokens are named), and n choices fork their prompt."
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[3]]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(n=3, max_tokens=20, temperature=0.9, seed=5, ignore_eos=True)]
+    plain, _, _ = _run(None, params, prompts=prompts, max_num_seqs=2)
+    spec, _, llm = _run(SpeculativeConfig(), params, prompts=prompts, max_num_seqs=2)
+    assert spec == plain and llm.block_manager.num_hit_tokens > 0 and llm.num_accepted_tokens > 0
+
+
+def test_requests_with_extras_decode_one_token_at_a_time():
+    "While a live request asks for logprobs, nobody drafts; the tokens are unchanged either way."
+    params = _greedy()
+    params[0] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    plain, _, _ = _run(None, params, max_num_seqs=8)
+    spec, _, llm = _run(SpeculativeConfig(), params, max_num_seqs=8)
+    assert spec == plain
+    alone, _, lone = _run(SpeculativeConfig(), params[:1], prompts=PROMPTS[:1])
+    assert alone == plain[:1] and lone.num_draft_tokens == 0
+
+
+def test_configuration_is_checked():
+    with pytest.raises(ValueError, match="async_scheduling off"):
+        LLM(MODEL, speculative=SpeculativeConfig(), async_scheduling=True)
+    with pytest.raises(ValueError, match="must be a SpeculativeConfig"):
+        LLM(MODEL, speculative={"method": "ngram"})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(MODEL, speculative=SpeculativeConfig(), tensor_parallel_size=2)
+    llm = LLM(MODEL, num_kv_blocks=16, speculative=SpeculativeConfig(num_speculative_tokens=2))
+    assert not llm.async_scheduling and "speculative=SpeculativeConfig(" in str(llm.engine_config)
