@@ -391,6 +391,7 @@ class EngineStart(EngineLoad):
         ec, cfg = self.engine_config, self.config
         max_model_len = max_model_len_for(cfg, ec.load.max_model_len)     # never past the model's context
         b, bs = ec.batch, self.block_size
+        self.max_draws = ec.speculative.max_draws(b.max_num_seqs) if ec.speculative else b.max_num_seqs   # rows a step
         self.num_kv_blocks = ec.cache.num_kv_blocks or self._num_kv_blocks(max_model_len)
         if self.parallel: self.num_kv_blocks = self.parallel.agree_num_kv_blocks(self.num_kv_blocks)
         self.max_model_len = min(max_model_len, self.num_kv_blocks * bs)
@@ -408,7 +409,7 @@ class EngineStart(EngineLoad):
                            graph_token_sizes(b.max_num_batched_tokens) if self.kernels.mixed_step_graphs else [])
         if self.parallel: self.parallel.start_runners(self.num_kv_blocks, self.max_model_len, graph_sizes)
         if graph_sizes: self.runner.enable_graphs(graph_sizes[0], self.max_model_len, progress=ec.show_progress,
-                                                  token_sizes=graph_sizes[1])
+                                                  token_sizes=graph_sizes[1], max_rows=self.max_draws)
         if self.parallel:                # every rank holds its runner (and graphs); from here on steps go to all
             self.parallel.wait_ready()
             self.runner.step_sender = self.parallel.send_step
@@ -417,7 +418,7 @@ class EngineStart(EngineLoad):
         ec = self.engine_config
         num_blocks, info = kv_cache_blocks(self.model, self.device, self.kv_cache_dtype, self.block_size,
                                            ec.cache.gpu_memory_utilization, ec.batch.max_num_batched_tokens,
-                                           ec.batch.max_num_seqs, max_model_len, self.use_cuda_graphs)
+                                           self.max_draws, max_model_len, self.use_cuda_graphs)
         for k, v in info.items(): setattr(self, k, v)
         return num_blocks
 
@@ -645,6 +646,7 @@ def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
     "Prompt lookup's drafts for each running sequence in decode (None: speculation off, or not for this batch)."
     spec = self.engine_config.speculative
     if spec is None or self._num_special or self._num_constrained: return None
+    if len(self.scheduler.running) > spec.max_num_seqs: return None      # a wide batch: compute-bound, no drafts
     drafts, k = {}, spec.num_speculative_tokens
     for seq in self.scheduler.running:
         room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens

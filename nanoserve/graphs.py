@@ -167,7 +167,7 @@ class DecodeGraphs:
 
     def __init__(self, model: Qwen2ForCausalLM, kv_caches: list, batch_sizes: list[int], max_model_len: int,
                  block_size: int, device: torch.device, capture: bool = True, fp32_logits: bool = False,
-                 load_step_kernel: bool = True):
+                 load_step_kernel: bool = True, logits_rows: int = 0):
         self.batch_sizes = check_buckets(batch_sizes, "batch_sizes")
         if capture and device.type != "cuda": raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.kv_caches, self.device, self.max_model_len = model, kv_caches, device, max_model_len
@@ -176,7 +176,7 @@ class DecodeGraphs:
         self.small, self.block_tables = decode_buffers(B, self.max_blocks, device)       # [4, B], [B, W]
         self.held = HeldTables(B)                                                        # what block_tables' rows hold
         self.fp32_logits = fp32_logits
-        self.logits = logits_buffer(model, B, device, fp32_logits)                         # [B, V]
+        self.logits = logits_buffer(model, max(B, logits_rows), device, fp32_logits)   # [B, V]; taller, shared (below)
         self.load_step_kernel = load_step_kernel and device.type == "cuda"   # loads and feed in one launch
         self.num_splits = decode_splits(model, self.batch_sizes, max_model_len, block_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -224,10 +224,11 @@ def graph_token_sizes(max_num_batched_tokens: int, largest: int = 4096) -> list[
     return [t for t in (16, 32, 64, 128, 256) if t < top] + list(range(512, top, 256)) + [top]
 
 # %% ../nbs/09_cuda_graphs.ipynb #7331a930
-def mixed_section_sizes(T: int, max_num_seqs: int, block_m: int) -> list[int]:
-    "Lengths of bucket `T`'s sections: ids, positions, slots, sampled rows, cu_q_lens, start_pos, tile map."
-    S = min(T, max_num_seqs)
-    return [T, T, T, S, S + 1, S, 2 * (T // block_m + S)]
+def mixed_section_sizes(T: int, max_num_seqs: int, block_m: int, max_rows: int | None = None) -> list[int]:
+    """Lengths of bucket `T`'s sections: ids, positions, slots, sampled rows (`max_rows`; default: one a sequence,
+    more with speculative verify rows), cu_q_lens, start_pos, tile map."""
+    S, R = min(T, max_num_seqs), min(T, max_rows or max_num_seqs)
+    return [T, T, T, R, S + 1, S, 2 * (T // block_m + S)]
 
 
 def mixed_inputs(T: int, sizes: list[int], device: torch.device) -> torch.Tensor:
@@ -242,12 +243,12 @@ def mixed_inputs(T: int, sizes: list[int], device: torch.device) -> torch.Tensor
 def pack_mixed_step(step, T: int, width: int, sizes: list[int], block_m: int) -> list[int]:
     "A scheduler `Step`'s integers in bucket `T`'s layout (sections `sizes`), then its block tables `width` wide."
     seqs, pad = step.seqs, T - step.num_tokens
-    S, num_tiles = sizes[3], sizes[6]
+    R, S, num_tiles = sizes[3], sizes[5], sizes[6]
     q_lens = [s.num_tokens for s in seqs]
     cu = list(itertools.accumulate(q_lens, initial=0))
-    rows = [end - 1 for s, end in zip(seqs, cu[1:]) if s.sample]
+    rows = [r for s, end in zip(seqs, cu[1:]) if s.sample for r in range(end - 1 - s.num_drafts, end)]
     ints = step.token_ids + [0] * pad + step.positions + [0] * pad + step.slot_mapping + [-1] * pad
-    ints += rows + [0] * (S - len(rows))
+    ints += rows + [0] * (R - len(rows))
     ints += cu + [cu[-1]] * (S - len(seqs)) + [s.start_pos for s in seqs] + [0] * (S - len(seqs))
     ints += prefill_tile_map(q_lens, block_m, num_tiles // 2)
     for s in seqs: ints += s.block_table + [0] * (width - len(s.block_table))
@@ -258,12 +259,12 @@ def mixed_forward(model: Qwen2ForCausalLM, kv_caches: list, inputs: torch.Tensor
                   block_tables: torch.Tensor, logits: torch.Tensor, T: int) -> None:
     "The model over bucket `T`'s static inputs (sections `sizes`), the sampled rows' logits into `logits`."
     ids, positions, slots, rows, cu, start, tiles = inputs.split(sizes)
-    S = rows.shape[0]
+    S = start.shape[0]
     meta = AttentionMetadata(slots, 0, prefill_block_tables=block_tables[:S], prefill_cu_q_lens=cu,
                              prefill_start_pos=start, prefill_max_q_len=T,
                              prefill_tile_map=tiles.view(2, -1))                         # [2, tiles]
     hidden = model(ids, positions, kv_caches, meta)                                      # [T, hidden]
-    model.compute_logits(hidden[rows], out=logits[:S])                                   # [S, vocab]
+    model.compute_logits(hidden[rows], out=logits[:rows.shape[0]])                       # [R, vocab]
 
 # %% ../nbs/09_cuda_graphs.ipynb #4427bdb2
 def uses_triton_attention(model: Qwen2ForCausalLM) -> bool:
@@ -278,24 +279,25 @@ class MixedGraphs:
 
     def __init__(self, model: Qwen2ForCausalLM, kv_caches: list, token_sizes: list[int], max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device, capture: bool = True,
-                 logits: torch.Tensor | None = None, fp32_logits: bool = False, load_step_kernel: bool = True):
+                 logits: torch.Tensor | None = None, fp32_logits: bool = False, load_step_kernel: bool = True,
+                 max_rows: int | None = None):
         self.token_sizes = check_buckets(token_sizes, "token_sizes")
         if not uses_triton_attention(model): raise ValueError("mixed-step graphs need the Triton attention backend")
         if capture and device.type != "cuda": raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_num_seqs, self.max_blocks = max_num_seqs, -(-max_model_len // block_size)
+        self.max_rows = R = max_rows or max_num_seqs       # rows drawn a step: more than sequences with verify rows
         self.block_m = prefill_block_m(model.config.num_attention_heads, model.config.num_key_value_heads)
         self.inputs = {T: mixed_inputs(T, self.section_sizes(T), device) for T in self.token_sizes}
         self.block_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int64, device=device)  # [S, W]
-        S = min(self.token_sizes[-1], max_num_seqs)
         self.fp32_logits, self.load_step_kernel = fp32_logits, load_step_kernel
-        self.logits = logits_buffer(model, S, device, fp32_logits) if logits is None else logits           # [S, V]
+        self.logits = logits_buffer(model, min(R, token_sizes[-1]), device, fp32_logits) if logits is None else logits
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s, self.memory_bytes, self.num_replays = 0.0, 0, 0
 
     def section_sizes(self, T: int) -> list[int]:
-        "Lengths of bucket `T`'s sections: ids, positions, slots, sampled rows, cu_q_lens, start_pos, tile map."
-        return mixed_section_sizes(T, self.max_num_seqs, self.block_m)
+        "Lengths of bucket `T`'s sections (`mixed_section_sizes`)."
+        return mixed_section_sizes(T, self.max_num_seqs, self.block_m, self.max_rows)
 
     def _forward(self, T: int) -> None:
         "The step that is captured: the model over bucket `T`'s static inputs, logits of its sampled rows."
@@ -327,7 +329,6 @@ class MixedGraphs:
         self.load(packed, T, num_seqs, width)
         if feed is not None: apply_feed(self.inputs[T][:T], feed)              # as in `DecodeGraphs.run`
         if start is not None: start.record()                                   # as in `DecodeGraphs.run`
-        if self.graphs: self.graphs[T].replay()
-        else: self._forward(T)
+        self.graphs[T].replay() if self.graphs else self._forward(T)
         self.num_replays += 1
         return self.logits

@@ -576,16 +576,19 @@ class RunnerGraphs(RunnerSetup):
     "CUDA graphs for decode-only steps and for steps with prefill chunks (the CUDA-graphs chapter)."
 
     def enable_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True,
-                      progress: bool = False, token_sizes: list[int] | None = None) -> None:
+                      progress: bool = False, token_sizes: list[int] | None = None,
+                      max_rows: int | None = None) -> None:
         """Replay decode-only steps of up to `max(batch_sizes)` sequences from static buffers (CUDA graphs if
-        `capture`), and steps with prefill chunks of up to `max(token_sizes)` tokens when given."""
+        `capture`), and steps with prefill chunks of up to `max(token_sizes)` tokens when given, drawing up to
+        `max_rows` rows (default: one a sequence; speculative verify rows draw more)."""
         opts = dict(fp32_logits=self.kernels.fp32_logits, load_step_kernel=self.kernels.load_step_kernel)
+        rows = min(max_rows or 0, max(token_sizes or [0]))       # verify rows: one logits buffer for every replay
         self.graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_model_len, self.block_size,
-                                   self.device, capture=capture, **opts)
+                                   self.device, capture=capture, logits_rows=rows, **opts)
         if token_sizes:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, token_sizes, batch_sizes[-1], max_model_len,
                                             self.block_size, self.device, capture=capture, logits=self.graphs.logits,
-                                            **opts)
+                                            max_rows=max_rows, **opts)
         pool = None
         if capture:
             pool = torch.cuda.graph_pool_handle()      # one pool; the largest step (a mixed one) is captured first
@@ -609,14 +612,13 @@ class RunnerHost(RunnerGraphs):
              extras: SamplingExtras | None = None) -> StepInputs:
         """The host side of `step`: `sampling` holds (temperature, top_p, top_k, seed, offset) per sampled row;
         `extras`, what some rows ask beyond that (a step that scores prompt rows runs eagerly)."""
-        eager = (extras is not None and extras.forces_eager) or any(s.num_drafts for s in step.chunks)   # verify rows
-        rows, self._table_update = None, None
+        eager, rows, self._table_update = extras is not None and extras.forces_eager, None, None
         if not eager and (replay := self.graph_bucket(step)):
             bucket, max_blocks = replay
             width = min(_pow2(max_blocks), self.graphs.max_blocks)    # the longest block table, rounded up
             rows = self._graph_rows(len(sampling_rows(sampling)[0]), extras)
             x = pack_graph_step(step, sampling, bucket, width, extras, rows, self._table_entries(step, width))
-        elif not eager and (mixed := self.mixed_bucket(step)):
+        elif not eager and (mixed := self.mixed_bucket(step, len(sampling_rows(sampling)[0]))):
             bucket, max_blocks = mixed
             width = min(_pow2(max_blocks), self.mixed_graphs.max_blocks)
             rows = self._graph_rows(len(sampling_rows(sampling)[0]), extras)
@@ -647,9 +649,11 @@ class RunnerHost(RunnerGraphs):
         bucket = self.graphs.bucket(step.num_seqs, max_blocks)
         return None if bucket is None else (bucket, max_blocks)
 
-    def mixed_bucket(self, step: Step) -> tuple[int, int] | None:
-        "(token bucket, longest block table) when a step with prefill chunks replays; None when it runs eagerly."
+    def mixed_bucket(self, step: Step, num_draws: int = 0) -> tuple[int, int] | None:
+        """(token bucket, longest block table) when a step with prefill chunks (or verify rows) replays; None when it
+        runs eagerly (among other reasons, more rows to draw than the graphs hold)."""
         if self.mixed_graphs is None or not step.num_seqs or step.is_decode_only: return None
+        if num_draws > self.mixed_graphs.max_rows: return None
         max_blocks = max(max(step.decodes.num_blocks) if step.decodes else 0, *(len(s.block_table) for s in step.chunks))
         bucket = self.mixed_graphs.bucket(step.num_tokens, max_blocks)
         return None if bucket is None else (bucket, max_blocks)

@@ -23,17 +23,22 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4     # k: most drafts a sequence gets in one step
     prompt_lookup_max: int = 3          # the longest suffix looked up first ...
     prompt_lookup_min: int = 1          # ... down to the shortest
+    max_num_seqs: int = 16              # speculate only while at most this many sequences run (wider: compute-bound)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def max_draws(self, max_num_seqs: int) -> int:
+        "Most rows a step draws with `max_num_seqs` sequences: one each, and k more for each that may speculate."
+        return max_num_seqs + min(max_num_seqs, self.max_num_seqs) * self.num_speculative_tokens
 
 # %% ../nbs/09b_speculative.ipynb #4e595d26
 def ngram_propose(token_ids, k: int, n_max: int, n_min: int = 1) -> list[int]:

@@ -3,10 +3,12 @@ gets with it off (greedy and seeded sampling, in the scheduler's regimes: chunke
 forks, stop tokens, max_tokens at every offset), drafts are really verified and kept, no block leaks, and what
 cannot speculate (extras, grammars) decodes as before."""
 import pytest
+import torch
 
 from nanoserve.engine import LLM, SamplingParams
+from nanoserve.graphs import graph_batch_sizes, graph_token_sizes
 from nanoserve.speculative import SpeculativeConfig
-from nanoserve.tokenizer import default_model
+from nanoserve.tokenizer import default_model, ensure_default_model
 
 MODEL = default_model()            # the trained tiny model: it repeats code, so prompt lookup's drafts often hold
 PROMPTS = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef g(x):\n    return", "Hello",
@@ -99,3 +101,27 @@ def test_configuration_is_checked():
         LLM(MODEL, speculative=SpeculativeConfig(), tensor_parallel_size=2)
     llm = LLM(MODEL, num_kv_blocks=16, speculative=SpeculativeConfig(num_speculative_tokens=2))
     assert not llm.async_scheduling and "speculative=SpeculativeConfig(" in str(llm.engine_config)
+
+
+def test_verify_steps_replay_in_the_mixed_step_graphs():
+    "Verify rows run in the token-bucket graphs (here their static buffers, without capture): the eager tokens."
+    tiny = ensure_default_model()       # the random tiny model: the Triton interpreter runs every kernel
+
+    def run(speculative, graphs):
+        llm = LLM(tiny, dtype="float32", attention_backend="triton", enforce_eager=True, num_kv_blocks=12,
+                  max_num_seqs=4, max_num_batched_tokens=64, speculative=speculative)
+        if graphs:
+            llm.runner.enable_graphs(graph_batch_sizes(4), llm.max_model_len, capture=False,
+                                     token_sizes=graph_token_sizes(64), max_rows=llm.max_draws)
+        rng = torch.Generator().manual_seed(1)
+        lengths = torch.randint(1, 30, (6,), generator=rng)
+        prompts = [torch.randint(0, 50, (int(n),), generator=rng).tolist() for n in lengths]
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                                      for m in (5, 17, 9, 30, 2, 12)])
+        return [o.token_ids for o in outs], llm
+
+    plain, _ = run(None, False)
+    spec, llm = run(SpeculativeConfig(), True)
+    assert spec == plain
+    assert llm.num_accepted_tokens > 0 and llm.runner.mixed_graphs.num_replays > 5
+    assert llm.max_draws == 4 + 4 * 4 and llm.runner.graphs.logits.shape[0] == llm.max_draws
