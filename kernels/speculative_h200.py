@@ -1,0 +1,151 @@
+"""Speculative decoding on the H200: exactness through the graphs, the verify step's cost, the batch-1 speed-up.
+
+Parts (`--parts`, in this order):
+- check: the shipped trained tiny model in fp32, CUDA graphs on: greedy and seeded tokens with prompt lookup equal
+  those of the default engine (async scheduling, no speculation), on repetitive and plain prompts.
+- verify: random weights of each `--shapes` shape in bf16, batch 1 in steady decode from 128-token prompts, one
+  engine with speculation: ms a step of a plain decode step and of a verify step of 1 + k tokens (k made-up drafts:
+  a verify step costs the same whether its drafts hold or not), in interleaved passes; beside them the default
+  engine's decode step (async scheduling, no speculation) in the same process. Issue 30's bar: verify <= 1.15x.
+- tiny: the trained tiny model at batch 1, the two workloads of `kernels/speculative_cpu.py` (held-out code, and
+  the same prompts followed by their own first tokens: an edit), each request alone: output tokens a second with
+  prompt lookup against the default engine, interleaved rounds, the prefix cache emptied before each timed run;
+  the tokens a step that verify steps emitted.
+
+    NANOSERVE_GIT_SHA=$(git rev-parse HEAD) PYTHONPATH=. python kernels/speculative_h200.py --out $OUT
+"""
+import sys; from pathlib import Path
+sys.path.insert(0, str(Path(__file__).parent))      # the only sys.path use in the lab
+from lab import (LLM, SamplingParams, checkpoint, device_or_skip, drain, free, is_smoke, median, parser, run_parts,
+                 saver, steady_decode, step_ms, sync, tiny_model, warm)
+
+import time
+
+from nanoserve.speculative import SpeculativeConfig
+from nanoserve.tokenizer import default_model
+from nanoserve.train import heldout_rows
+
+NAME = "speculative_h200.json"
+
+
+def spec_step(llm, drafts: list[int] | None) -> None:
+    "One synchronous step of `llm` in which every running sequence verifies `drafts` (None: a plain decode step)."
+    step = llm.scheduler.schedule({s.seq_id: drafts for s in llm.scheduler.running} if drafts else None)
+    draws, _, _ = llm._run(step, None)
+    llm.scheduler.update(step, *llm._verified(step, draws))
+
+
+def pass_ms(llm, drafts, steps: int) -> float:
+    "ms a step over `steps` steps of `spec_step`."
+    sync(llm.device)
+    t0 = time.perf_counter()
+    for _ in range(steps): spec_step(llm, drafts)
+    sync(llm.device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def verify_rows(res, shapes, args, k: int = 4) -> None:
+    smoke, rows = is_smoke(args), res.setdefault("verify", [])
+    steps, rounds = (4, 1) if smoke else (100, 3)
+    for shape in shapes.split(","):
+        model_dir, name = checkpoint(shape, args)
+        kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
+                  max_model_len=2048)
+        spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), **kw)
+        plain = LLM(model_dir, **kw)
+        for llm in (spec, plain): steady_decode(llm, 1)
+        warm(spec.device, 0 if smoke else 2.0)
+        got = {"decode": [], "verify": [], "default engine": []}
+        for _ in range(rounds):        # interleaved passes, each engine kept in steady decode
+            got["decode"].append(pass_ms(spec, None, steps))
+            got["verify"].append(pass_ms(spec, list(range(3, 3 + k)), steps))
+            got["default engine"].append(step_ms(plain, steps))
+        row = {"shape": name, "k": k, "steps_a_pass": steps, **{f"{n}_ms": v for n, v in got.items()},
+               "verify_over_decode": median(got["verify"]) / median(got["decode"]),
+               "verify_over_default": median(got["verify"]) / median(got["default engine"]),
+               "mixed_replays": spec.runner.mixed_graphs.num_replays if spec.runner.mixed_graphs else 0}
+        rows.append(row)
+        print(f"{name}: decode {median(got['decode']):.3f} ms, verify 1+{k} {median(got['verify']):.3f} ms "
+              f"({row['verify_over_decode']:.2f}x), default engine {median(got['default engine']):.3f} ms", flush=True)
+        for llm in (spec, plain): drain(llm)
+        del spec, plain; free()
+
+
+def workloads(smoke: bool) -> dict:
+    "The two workloads of kernels/speculative_cpu.py, as token-id prompts."
+    num_rows, prompt_len = (2, 32) if smoke else (16, 128)
+    rows = heldout_rows(default_model() / "tokenizer.json", num_rows=num_rows, seq_len=2 * prompt_len)
+    code = [r[:prompt_len].tolist() for r in rows]
+    return {"code": code, "edit": [p + p[:3 * prompt_len // 16] for p in code]}
+
+
+def one_at_a_time(llm, prompts, params) -> tuple[float, list]:
+    "(seconds, outputs) of `prompts` generated one request at a time, the prefix cache emptied first."
+    llm.reset_prefix_cache()
+    sync(llm.device)
+    t0 = time.perf_counter()
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    sync(llm.device)
+    return time.perf_counter() - t0, outs
+
+
+def tiny_rows(res, args) -> None:
+    smoke = is_smoke(args)
+    max_tokens, rounds = (16, 1) if smoke else (128, 2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engines = {"default": LLM(default_model()), "prompt lookup": LLM(default_model(), speculative=SpeculativeConfig())}
+    out = res.setdefault("tiny", {})
+    for name, prompts in workloads(smoke).items():
+        for llm in engines.values(): one_at_a_time(llm, prompts[:2], params)           # warm: graphs, caches
+        secs, tokens = {e: [] for e in engines}, {}
+        for r in range(rounds):
+            for e in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                llm = engines[e]
+                before = (llm.num_draft_tokens, llm.num_accepted_tokens)
+                s, outs = one_at_a_time(llm, prompts, params)
+                secs[e].append(s)
+                tokens[e] = [list(o.token_ids) for o in outs]
+                drafted, accepted = llm.num_draft_tokens - before[0], llm.num_accepted_tokens - before[1]
+        n = sum(map(len, tokens["default"]))
+        out[name] = {"num_prompts": len(prompts), "max_tokens": max_tokens, "output_tokens": n,
+                     "seconds": secs, "tokens_per_s": {e: n / median(v) for e, v in secs.items()},
+                     "same_tokens": tokens["default"] == tokens["prompt lookup"],
+                     "drafted_last_run": drafted, "accepted_last_run": accepted}
+        out[name]["speedup"] = out[name]["tokens_per_s"]["prompt lookup"] / out[name]["tokens_per_s"]["default"]
+        print(f"tiny {name}: {out[name]['tokens_per_s']['default']:.0f} -> "
+              f"{out[name]['tokens_per_s']['prompt lookup']:.0f} tok/s ({out[name]['speedup']:.2f}x), "
+              f"same tokens {out[name]['same_tokens']}", flush=True)
+
+
+def check(res, args) -> None:
+    prompts = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef g(x):\n    return", "Hello",
+               "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
+    model = tiny_model() if is_smoke(args) else default_model()
+    plain = LLM(model, dtype="float32")
+    spec = LLM(model, dtype="float32", speculative=SpeculativeConfig())
+    out = {}
+    for name, sp in (("greedy", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)),
+                     ("seeded", SamplingParams(max_tokens=64, temperature=0.8, seed=11, ignore_eos=True))):
+        a = [o.token_ids for o in plain.generate(prompts, sp)]
+        b = [o.token_ids for o in spec.generate(prompts, sp)]
+        out[name] = {"same_tokens": a == b, "tokens": sum(map(len, a))}
+    out.update(drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens, async_default=plain.async_scheduling,
+               graphs=spec.runner.graphs is not None)
+    res["check"] = out
+    print("check:", out, flush=True)
+
+
+def main():
+    ap = parser(__doc__, parts="check,verify,tiny")
+    ap.add_argument("--name", default=NAME)
+    ap.add_argument("--shapes", default="0.5B,7B")
+    args = ap.parse_args()
+    device_or_skip(args)
+    res = {"what": "speculative decoding with prompt lookup: exactness, the verify step's cost, batch-1 speed"}
+    parts = {"check": lambda: check(res, args), "verify": lambda: verify_rows(res, args.shapes, args),
+             "tiny": lambda: tiny_rows(res, args)}
+    run_parts(parts, args.parts, saver(args.name, res, args))
+
+
+if __name__ == "__main__":
+    main()
