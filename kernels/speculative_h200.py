@@ -50,7 +50,7 @@ def verify_rows(res, shapes, args, k: int = 4) -> None:
     for shape in shapes.split(","):
         model_dir, name = checkpoint(shape, args)
         kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
-                  max_model_len=2048, gpu_memory_utilization=0.4)      # two engines in one process
+                  max_model_len=2048, num_kv_blocks=2048)         # two engines in one process
         spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), **kw)
         plain = LLM(model_dir, **kw)
         for llm in (spec, plain): steady_decode(llm, 1)
@@ -93,7 +93,7 @@ def tiny_rows(res, args) -> None:
     smoke = is_smoke(args)
     max_tokens, rounds = (16, 1) if smoke else (128, 2)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    kw = dict(gpu_memory_utilization=0.4)                                # two engines in one process
+    kw = dict(num_kv_blocks=2048)                                        # two engines in one process
     engines = {"default": LLM(default_model(), **kw),
                "prompt lookup": LLM(default_model(), speculative=SpeculativeConfig(), **kw)}
     out = res.setdefault("tiny", {})
@@ -123,8 +123,8 @@ def check(res, args) -> None:
     prompts = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef g(x):\n    return", "Hello",
                "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
     model = tiny_model() if is_smoke(args) else default_model()
-    plain = LLM(model, dtype="float32", gpu_memory_utilization=0.4)     # two engines in one process
-    spec = LLM(model, dtype="float32", speculative=SpeculativeConfig(), gpu_memory_utilization=0.4)
+    plain = LLM(model, dtype="float32", num_kv_blocks=2048)             # two engines in one process
+    spec = LLM(model, dtype="float32", speculative=SpeculativeConfig(), num_kv_blocks=2048)
     out = {}
     for name, sp in (("greedy", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)),
                      ("seeded", SamplingParams(max_tokens=64, temperature=0.8, seed=11, ignore_eos=True))):
