@@ -251,7 +251,8 @@ def run_result(llm: LLM, results: list[dict], window: ProfileWindow) -> dict:
             "ledger": llm.ledger.summary(), "ledger_decode": llm.ledger.summary(decode_only=True),
             "profile": window.info, "preemptions": sum(r["preemptions"] for r in results),
             "recomputed_tokens": sum(r["recomputed_tokens"] for r in results), "num_kv_blocks": llm.num_kv_blocks,
-            "attention_backend": llm.attention_backend, "engine_config": llm.engine_config.to_dict()}
+            "attention_backend": llm.attention_backend, "engine_config": llm.engine_config.to_dict(),
+            "speculative": {"draft_tokens": llm.num_draft_tokens, "accepted_tokens": llm.num_accepted_tokens}}
 
 # %% ../nbs/15_bench.ipynb #ab0766de
 def run_nanoserve(model_dir, requests: list[BenchRequest], send_times: list[float] | None, *, policy="continuous",
@@ -684,6 +685,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="nanoserve engines: one-row steps use cuBLAS, not the fused-kernels chapter's gemv")
     p.add_argument("--no-pdl", action="store_true",
                    help="nanoserve engines: launch Triton kernels without programmatic dependent launch")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="nanoserve engines: draft tokens (ngram: prompt lookup) and verify them in one step")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
 
 # %% ../nbs/15_bench.ipynb #5b7b6731
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -745,6 +749,8 @@ def engine_kwargs_from_args(args) -> dict:
     if args.no_row_gemv: kw["row_gemv"] = False
     if args.no_pdl: kw["pdl"] = False
     if args.threads is not None: kw["num_threads"] = args.threads
+    if args.speculative:
+        kw["speculative"] = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
     return kw
 
 # %% ../nbs/15_bench.ipynb #9eace5b7

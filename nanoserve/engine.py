@@ -28,7 +28,7 @@ from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus, Step
-from .speculative import SpeculativeConfig, ngram_propose, split_draws
+from .speculative import SpeculativeConfig, ngram_propose, speculative_config, split_draws
 from .structured import GrammarCompiler
 from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
 
@@ -174,6 +174,7 @@ def engine_config(model=None, config: EngineConfig | None = None, **overrides) -
     config = config or EngineConfig()
     if model is not None: overrides["model"] = str(model)
     top = {k: overrides.pop(k) for k in _TOP if k in overrides}
+    if "speculative" in top: top["speculative"] = speculative_config(top["speculative"])   # a name or a dict too
     changes: dict[str, dict] = {}
     for name, value in overrides.items():
         section, field_name, value = _keyword(name, value)

@@ -322,6 +322,7 @@ class ServerMetrics:
         self.kv_blocks_total = num_kv_blocks
         self.prefix_hit_tokens = self.prefix_queried_tokens = self.preemptions = 0
         self.prompt_tokens = self.generation_tokens = 0
+        self.draft_tokens = self.accepted_tokens = 0    # speculative decoding: drafts verified, and kept
         self.finished: Counter[str] = Counter()        # finish_reason -> requests
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
                               "Time from submission to the first generated token.", _LATENCY_BUCKETS)
@@ -337,6 +338,7 @@ class ServerMetrics:
             self.running, self.waiting = len(sched.running), len(sched.waiting)
             self.kv_blocks_used, self.preemptions = bm.num_used_blocks, sched.num_preemptions
             self.prefix_hit_tokens, self.prefix_queried_tokens = bm.num_hit_tokens, bm.num_queried_tokens
+            self.draft_tokens, self.accepted_tokens = llm.num_draft_tokens, llm.num_accepted_tokens
             self.prompt_tokens += num_new_prompt_tokens
             for stream, out in outputs:
                 self.generation_tokens += len(out.new_token_ids)
@@ -380,6 +382,10 @@ def render_metrics(self: ServerMetrics) -> str:
                      f" {self.generation_tokens}"),
             *_metric("counter", "nanoserve_preemptions_total", "Requests preempted to free KV blocks.",
                      f" {self.preemptions}"),
+            *_metric("counter", "nanoserve_spec_draft_tokens_total", "Drafted tokens verified (speculative decoding).",
+                     f" {self.draft_tokens}"),
+            *_metric("counter", "nanoserve_spec_accepted_tokens_total", "Drafted tokens kept (speculative decoding).",
+                     f" {self.accepted_tokens}"),
             *_metric("counter", "nanoserve_requests_finished_total", "Requests that ended, by finish reason.",
                     *(f'{{finish_reason="{r}"}} {self.finished[r]}' for r in ("stop", "length", "abort"))),
             *self.ttft.render(), *self.tpot.render(), *self.e2e.render()]
@@ -1546,6 +1552,9 @@ def _engine_args(e) -> None:
                    help="the K/V cache's dtype (auto: the model's; fp8: e4m3; int8: a scale a row; ~2x the blocks)")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
+    e.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="draft tokens (ngram: prompt lookup) and verify them in one step; steps run synchronously")
+    e.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: the engine picks one per two usable cores, at most 8)")
     e.add_argument("--seed", type=int, default=0)
@@ -1625,7 +1634,9 @@ def engine_kwargs(args) -> dict:
                 async_scheduling=None if args.scheduling == "auto" else args.scheduling == "async",
                 show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                 quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
-                num_threads=args.threads, generation_config=args.generation_config)
+                num_threads=args.threads, generation_config=args.generation_config,
+                speculative=args.speculative and {"method": args.speculative,
+                                                  "num_speculative_tokens": args.num_speculative_tokens})
 
 
 def engine_from_args(args) -> EngineThread | EngineProcess:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from .scheduler import Step
 
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'ngram_propose', 'accepted_tokens', 'split_draws', 'verify_steps']
+__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'accepted_tokens', 'split_draws',
+           'verify_steps']
 
 # %% ../nbs/09b_speculative.ipynb #dcf3dda2
 SPECULATIVE_METHODS = ("ngram",)
@@ -39,6 +40,14 @@ class SpeculativeConfig:
     def max_draws(self, max_num_seqs: int) -> int:
         "Most rows a step draws with `max_num_seqs` sequences: one each, and k more for each that may speculate."
         return max_num_seqs + min(max_num_seqs, self.max_num_seqs) * self.num_speculative_tokens
+
+# %% ../nbs/09b_speculative.ipynb #d5f6a701
+def speculative_config(value) -> SpeculativeConfig | None:
+    "A `SpeculativeConfig` from what a command line or a JSON job gives: None, a method's name, a dict of fields, or one."
+    if value is None or isinstance(value, SpeculativeConfig): return value
+    if isinstance(value, str): return SpeculativeConfig(method=value)
+    if isinstance(value, dict): return SpeculativeConfig(**value)
+    raise ValueError(f"speculative must be a method's name, a dict or a SpeculativeConfig, got {type(value).__name__}")
 
 # %% ../nbs/09b_speculative.ipynb #4e595d26
 def ngram_propose(token_ids, k: int, n_max: int, n_min: int = 1) -> list[int]:

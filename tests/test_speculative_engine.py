@@ -5,8 +5,10 @@ cannot speculate (extras, grammars) decodes as before."""
 import pytest
 import torch
 
+from nanoserve.bench import build_parser as bench_parser, engine_kwargs_from_args
 from nanoserve.engine import LLM, SamplingParams
 from nanoserve.graphs import graph_batch_sizes, graph_token_sizes
+from nanoserve.server import ServerMetrics, build_parser as serve_parser, engine_kwargs
 from nanoserve.speculative import SpeculativeConfig
 from nanoserve.tokenizer import default_model, ensure_default_model
 
@@ -95,8 +97,10 @@ def test_requests_with_extras_decode_one_token_at_a_time():
 def test_configuration_is_checked():
     with pytest.raises(ValueError, match="async_scheduling off"):
         LLM(MODEL, speculative=SpeculativeConfig(), async_scheduling=True)
-    with pytest.raises(ValueError, match="must be a SpeculativeConfig"):
-        LLM(MODEL, speculative={"method": "ngram"})
+    with pytest.raises(ValueError, match="method's name"):
+        LLM(MODEL, speculative=3.5)
+    with pytest.raises(ValueError, match="must be one of"):
+        LLM(MODEL, speculative="eagle")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(MODEL, speculative=SpeculativeConfig(), tensor_parallel_size=2)
     llm = LLM(MODEL, num_kv_blocks=16, speculative=SpeculativeConfig(num_speculative_tokens=2))
@@ -125,3 +129,21 @@ def test_verify_steps_replay_in_the_mixed_step_graphs():
     assert spec == plain
     assert llm.num_accepted_tokens > 0 and llm.runner.mixed_graphs.num_replays > 5
     assert llm.max_draws == 4 + 4 * 4 and llm.runner.graphs.logits.shape[0] == llm.max_draws
+
+
+def test_command_lines_and_metrics():
+    "`bench` and `serve` take --speculative; the engine's counts reach /metrics."
+    argv = ["--speculative", "ngram", "--num-speculative-tokens", "3"]
+    kw = engine_kwargs_from_args(bench_parser().parse_args(argv))
+    assert kw["speculative"] == {"method": "ngram", "num_speculative_tokens": 3}
+    served = engine_kwargs(serve_parser().parse_args(argv))
+    assert served["speculative"] == kw["speculative"]
+    assert engine_kwargs(serve_parser().parse_args([]))["speculative"] is None
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=64, speculative=served["speculative"])
+    assert llm.engine_config.speculative == SpeculativeConfig(num_speculative_tokens=3)
+    llm.generate(PROMPTS[:2], _greedy((30, 30)))
+    metrics = ServerMetrics(llm.num_kv_blocks)
+    metrics.update(llm, 0, [], [])
+    text = metrics.render()
+    assert f"nanoserve_spec_draft_tokens_total {llm.num_draft_tokens}" in text and llm.num_draft_tokens > 0
+    assert f"nanoserve_spec_accepted_tokens_total {llm.num_accepted_tokens}" in text
