@@ -6,7 +6,7 @@ part).
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/kv_fp8_h200.py --out $OUT --caches fp8,int8 \
         --name kv_int8_h200.json
 
-`--caches`: the one-byte dtypes each part sets against the model's (default fp8). For int8 the writes' check is exact
+`--caches`: the one-byte dtypes each part sets against the model's (default both). For int8 the writes' check is exact
 (the kernels quantize with the reference's fp32 operations: values and scales equal); the Poisson part gives it the
 blocks of the bf16 cache's bytes (a block of int8 keeps 4 bytes of scale a row too).
 
@@ -74,7 +74,7 @@ def check_kernels(device, smoke: bool, dtype=FP8) -> dict:
     (kc, vc), (kr, vr) = make_kv_cache(2, nb, bs, KVH, D, dtype, device)
     rope_cache(qkv, cos, sin, slots, kc, vc, H, KVH)
     rope_cache_ref(qkv, cos, sin, slots, kr, vr, H, KVH)
-    written = lambda c: c.view(torch.uint8).view(nb * bs, KVH, D)[slots]            # [T, KVH, D] bytes
+    written = lambda c: c.view(torch.uint8).reshape(nb * bs, KVH, D)[slots]       # [T, KVH, D] bytes (int8: strided)
     k_equal = (written(kc) == written(kr)).float().mean().item()
     v_equal = (written(vc) == written(vr)).float().mean().item()
     if dtype == torch.int8: k_equal = min(k_equal, float(torch.equal(kv_scales(kc), kv_scales(kr))))   # and the scales
@@ -252,7 +252,7 @@ def main():
     ap.add_argument("--workload-blocks", type=int, default=32768, help="workload: KV blocks of each engine")
     ap.add_argument("--blocks", type=int, default=192, help="poisson: the bf16 cache's blocks (fp8: twice)")
     ap.add_argument("--rate", type=float, default=48.0, help="poisson: requests a second")
-    ap.add_argument("--caches", default="fp8", help="the one-byte K/V dtypes set against the model's: fp8, int8")
+    ap.add_argument("--caches", default="fp8,int8", help="the one-byte K/V dtypes set against the model's: fp8, int8")
     args = ap.parse_args()
     args.caches = args.caches.split(",")
     smoke = is_smoke(args)
