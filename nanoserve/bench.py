@@ -24,11 +24,11 @@ from .yardsticks import run_hf_continuous, run_hf_static
 # %% auto #0
 __all__ = ['DISAGREE', 'KV_BYTES_A_VALUE', 'FAMILY_CONFIGS', 'SHAPE_CONFIGS', 'WorkloadSpec', 'BenchRequest', 'make_workload',
            'poisson_send_times', 'percentile', 'summarize', 'run_params', 'warm_up_engine', 'PausedClock',
-           'ProfileWindow', 'request_record', 'run_result', 'run_nanoserve', 'parse_engine', 'run_worker',
-           'worker_main', 'model_limits', 'physical_limit', 'run_benchmark', 'failure_reason', 'report', 'plot_results',
-           'shape_config', 'random_checkpoint', 'DefaultsHelp', 'build_parser', 'check_args', 'workload_from_args',
-           'engine_kwargs_from_args', 'results_path', 'save_results', 'write_results', 'model_dir_from_args',
-           'run_command', 'main']
+           'ProfileWindow', 'request_record', 'run_result', 'speculative_summary', 'run_nanoserve', 'parse_engine',
+           'run_worker', 'worker_main', 'model_limits', 'physical_limit', 'run_benchmark', 'failure_reason', 'report',
+           'plot_results', 'shape_config', 'random_checkpoint', 'DefaultsHelp', 'build_parser', 'check_args',
+           'workload_from_args', 'engine_kwargs_from_args', 'results_path', 'save_results', 'write_results',
+           'model_dir_from_args', 'run_command', 'main']
 
 # %% ../nbs/15_bench.ipynb #6ce7af63
 @dataclass(frozen=True)
@@ -242,7 +242,9 @@ def request_record(out, send_s: float, t_start: float, clock: PausedClock) -> di
     sent = t_start + send_s
     return {"num_output_tokens": len(out.token_ids), "ttft_s": clock(out.first_token_time) - sent,
             "e2e_s": clock(out.finish_time) - sent, "send_s": send_s,
-            "preemptions": out.num_preemptions, "recomputed_tokens": out.num_recomputed_tokens}
+            "preemptions": out.num_preemptions, "recomputed_tokens": out.num_recomputed_tokens,
+            "verify_steps": out.num_verify_steps, "draft_tokens": out.num_draft_tokens,
+            "accepted_tokens": out.num_accepted_tokens}
 
 # %% ../nbs/15_bench.ipynb #9db5f2cc
 def run_result(llm: LLM, results: list[dict], window: ProfileWindow) -> dict:
@@ -252,7 +254,16 @@ def run_result(llm: LLM, results: list[dict], window: ProfileWindow) -> dict:
             "profile": window.info, "preemptions": sum(r["preemptions"] for r in results),
             "recomputed_tokens": sum(r["recomputed_tokens"] for r in results), "num_kv_blocks": llm.num_kv_blocks,
             "attention_backend": llm.attention_backend, "engine_config": llm.engine_config.to_dict(),
-            "speculative": {"draft_tokens": llm.num_draft_tokens, "accepted_tokens": llm.num_accepted_tokens}}
+            "speculative": speculative_summary(results)}
+
+# %% ../nbs/15_bench.ipynb #e7a8b901
+def speculative_summary(results: list[dict]) -> dict:
+    "Drafts verified and kept over a run's requests, and the mean kept a verify step (over requests that verified any)."
+    verified = [r for r in results if r.get("verify_steps")]
+    return {"draft_tokens": sum(r.get("draft_tokens", 0) for r in results),
+            "accepted_tokens": sum(r.get("accepted_tokens", 0) for r in results),
+            "mean_accepted_per_verify_step": (sum(r["accepted_tokens"] / r["verify_steps"] for r in verified)
+                                              / len(verified)) if verified else None}
 
 # %% ../nbs/15_bench.ipynb #ab0766de
 def run_nanoserve(model_dir, requests: list[BenchRequest], send_times: list[float] | None, *, policy="continuous",

@@ -843,6 +843,8 @@ def _fill_output(out: RequestOutput, r: _Request) -> None:
     seq = r.seq
     out.num_cached_tokens, out.num_preemptions = seq.num_cached_tokens, seq.num_preemptions
     out.num_recomputed_tokens, out.num_prefill_tokens = seq.num_recomputed_tokens, seq.num_prefill_tokens
+    out.num_verify_steps, out.num_draft_tokens, out.num_accepted_tokens = (
+        seq.num_verify_steps, seq.num_draft_tokens, seq.num_accepted_tokens)
     if r.logprobs is not None: out.logprobs = r.logprobs.view()        # a snapshot, nothing copied
     if r.num_logprobs >= 0: out.cumulative_logprob = r.cumulative_logprob
     scored = r.group.choices[0].prompt_logprobs        # the first choice scores the prompt for all of them

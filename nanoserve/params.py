@@ -173,6 +173,9 @@ class RequestOutput:
     logprobs: SequenceABC[TokenLogprob] | None = None        # one per output token, when asked (`LogprobRows`)
     prompt_logprobs: list[TokenLogprob | None] | None = None # one per prompt token (the first None), when asked
     cumulative_logprob: float | None = None
+    num_verify_steps: int = 0                                # speculative decoding: steps that verified its drafts,
+    num_draft_tokens: int = 0                                # the drafts verified,
+    num_accepted_tokens: int = 0                             # and the ones kept
 
     @property
     def ttft(self) -> float | None:

@@ -84,6 +84,9 @@ class Sequence:
     fork_of: int | None = None       # n > 1: the seq id of the parent whose prompt it shares, and whose blocks it forks
     cache_prefix: bool = True        # False: no prefix-cache hits and no fork (prompt logprobs need every position)
     num_prefill_tokens: int = 0      # prompt positions this sequence computed itself (recompute counted again)
+    num_verify_steps: int = 0        # speculative decoding: steps that verified drafts of it,
+    num_draft_tokens: int = 0        # the drafts they verified,
+    num_accepted_tokens: int = 0     # and the ones kept
     num_shared_tokens: int = 0       # prompt tokens taken from its parent's blocks at first admission
 
     @property
@@ -521,6 +524,7 @@ def advance_seqs(sched: SchedulerMoves, step: Step) -> None:
         seq = get_seq(s.seq_id)
         if seq is None or seq.status is not running: continue   # aborted or stopped meanwhile
         n, computed = len(s.token_ids) - s.num_drafts, seq.num_computed_tokens   # drafts count once accepted
+        if s.num_drafts: seq.num_verify_steps += 1; seq.num_draft_tokens += s.num_drafts
         if s.start_pos < seq.max_computed_tokens:   # computed before a preemption: this is recompute
             seq.num_recomputed_tokens += min(s.start_pos + n, seq.max_computed_tokens) - s.start_pos
         if s.start_pos < len(seq.prompt_token_ids):   # prefill: prompt positions computed (forks skip theirs)
@@ -542,7 +546,7 @@ def accept_drafts(sched: SchedulerMoves, seq: Sequence, tokens: list[int]) -> st
     out, bm, reason = seq.output_token_ids, sched.block_manager, None
     if len(out) >= seq.max_tokens: return "length"           # it left the batch when the step was advanced
     for token in tokens[:seq.max_tokens - len(out)]:
-        out.append(token); seq.num_computed_tokens += 1
+        out.append(token); seq.num_computed_tokens += 1; seq.num_accepted_tokens += 1
         if token in seq.stop_token_ids: reason = "stop"; break
     reason = reason or ("length" if len(out) >= seq.max_tokens else None)
     seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)

@@ -24,9 +24,12 @@ def _run(speculative, params, num_kv_blocks=96, max_num_batched_tokens=64, max_n
               max_num_batched_tokens=max_num_batched_tokens, speculative=speculative)
     for p, sp in zip(prompts, params): llm.add_request(p, sp, stream=False)
     outs, steps = {}, 0
+    llm.per_request_drafts = []                # (drafted, kept) of each finished request
     while llm.has_unfinished_requests():
         for o in llm.step():
-            if o.finished: outs[(o.request_id, o.index)] = (o.token_ids, o.finish_reason, o.num_preemptions)
+            if not o.finished: continue
+            outs[(o.request_id, o.index)] = (o.token_ids, o.finish_reason, o.num_preemptions)
+            llm.per_request_drafts.append((o.num_draft_tokens, o.num_accepted_tokens))
         llm.scheduler.check_invariants()
         steps += 1
     assert llm.block_manager.num_used_blocks == 0 and not llm.scheduler.seqs     # nothing leaked
@@ -48,6 +51,8 @@ def test_tokens_are_plain_decodings(regime, temperature):
     assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
     assert [r for _, r, _ in spec] == [r for _, r, _ in plain]
     assert llm.num_accepted_tokens > 0 and llm.num_draft_tokens >= llm.num_accepted_tokens
+    drafted, accepted = map(sum, zip(*llm.per_request_drafts))       # each request's counts add up to the engine's
+    assert (drafted, accepted) == (llm.num_draft_tokens, llm.num_accepted_tokens)
     if regime == "preempt": assert sum(p for _, _, p in spec) > 0               # 7 blocks of 16: preemption happens
     if regime == "plain" and temperature == 0: assert spec_steps < plain_steps
 
