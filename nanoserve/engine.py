@@ -652,6 +652,7 @@ def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
     for seq in self.scheduler.running:
         room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens
         if room < 1 or seq.num_computed_tokens != seq.num_tokens - 1: continue
+        if self._requests[seq.seq_id].params.stop: continue          # a stop string is found token by token
         if d := ngram_propose(seq.all_token_ids, min(k, room), spec.prompt_lookup_max, spec.prompt_lookup_min):
             drafts[seq.seq_id] = d
     return drafts

@@ -23,16 +23,16 @@ def _run(speculative, params, num_kv_blocks=96, max_num_batched_tokens=64, max_n
     llm = LLM(MODEL, dtype="float32", num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, speculative=speculative)
     for p, sp in zip(prompts, params): llm.add_request(p, sp, stream=False)
-    outs, steps = {}, 0
-    llm.per_request_drafts = []                # (drafted, kept) of each finished request
+    outs, drafts, steps = {}, {}, 0
     while llm.has_unfinished_requests():
         for o in llm.step():
             if not o.finished: continue
             outs[(o.request_id, o.index)] = (o.token_ids, o.finish_reason, o.num_preemptions)
-            llm.per_request_drafts.append((o.num_draft_tokens, o.num_accepted_tokens))
+            drafts[(o.request_id, o.index)] = (o.num_draft_tokens, o.num_accepted_tokens)
         llm.scheduler.check_invariants()
         steps += 1
     assert llm.block_manager.num_used_blocks == 0 and not llm.scheduler.seqs     # nothing leaked
+    llm.per_request_drafts = [drafts[k] for k in sorted(drafts)]                   # (drafted, kept) of each request
     return [outs[k] for k in sorted(outs)], steps, llm
 
 
@@ -66,6 +66,21 @@ def test_stop_tokens_and_eos_mid_draft():
     spec, _, llm = _run(SpeculativeConfig(num_speculative_tokens=8), params)
     assert spec == plain and sum(r == "stop" for _, r, _ in spec) >= 3
     assert llm.num_accepted_tokens > 0
+
+
+def test_stop_strings_end_where_they_would():
+    "A request with stop strings decodes one token at a time: its tokens and text are plain decoding's."
+    full, _, llm = _run(None, _greedy())
+    texts = [llm.tokenizer.decode(t) for t, _, _ in full]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop=[x[len(x) // 2:len(x) // 2 + 2]])
+              if len(x) > 6 else SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+              for m, x in zip(MAX_TOKENS, texts)]
+    params = [p if i % 2 else SamplingParams(max_tokens=p.max_tokens, temperature=0, ignore_eos=True)
+              for i, p in enumerate(params)]                                  # every other request has a string
+    plain, _, _ = _run(None, params)
+    spec, _, llm = _run(SpeculativeConfig(), params)
+    assert spec == plain and sum(r == "stop" for _, r, _ in spec) >= 2 and llm.num_accepted_tokens > 0
+    assert all(drafted == 0 for (drafted, _), p in zip(llm.per_request_drafts, params) if p.stop)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
