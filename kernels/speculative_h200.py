@@ -4,7 +4,7 @@ Parts (`--parts`, in this order):
 - check: the shipped trained tiny model in fp32, CUDA graphs on: greedy and seeded tokens with prompt lookup equal
   those of the default engine (async scheduling, no speculation), on repetitive and plain prompts.
 - verify: random weights of each `--shapes` shape in bf16, batch 1 in steady decode from 128-token prompts, one
-  engine with speculation: ms a step of a plain decode step and of a verify step of 1 + k tokens (k made-up drafts:
+  engine with speculation, synchronous: ms a step of a plain decode step and of a verify step of 1 + k tokens (k made-up drafts:
   a verify step costs the same whether its drafts hold or not), in interleaved passes; beside them the default
   engine's decode step (async scheduling, no speculation) in the same process. Issue 30's bar: verify <= 1.15x.
 - tiny: the trained tiny model at batch 1, the two workloads of `kernels/speculative_cpu.py` (held-out code, and
@@ -51,7 +51,7 @@ def verify_rows(res, shapes, args, k: int = 4) -> None:
         model_dir, name = checkpoint(shape, args)
         kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
                   max_model_len=2048, num_kv_blocks=2048)         # two engines in one process
-        spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), **kw)
+        spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), async_scheduling=False, **kw)
         plain = LLM(model_dir, **kw)
         for llm in (spec, plain): steady_decode(llm, 1)
         warm(spec.device, 0 if smoke else 2.0)

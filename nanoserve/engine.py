@@ -141,8 +141,6 @@ def check_speculative(c: EngineConfig) -> None:
         raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {type(c.speculative).__name__!r}")
     if c.parallel.tensor_parallel_size != 1:
         raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
-    if c.batch.async_scheduling:     # the drafts come from the last step's tokens: steps run one after another
-        raise ValueError("speculative decoding runs with async_scheduling off (None: off with it)")
 
 # %% ../nbs/12_engine.ipynb #82c1dea8
 def config_line(c: EngineConfig) -> str:
@@ -259,8 +257,7 @@ class EngineSetup:
             k.attention_backend, k.fused_kernels, k.row_gemv, k.pdl)
         self.use_cuda_graphs = k.cuda_graphs
         async_ = ec.batch.async_scheduling
-        on_gpu = self.device.type == "cuda" and ec.speculative is None       # speculative steps run one at a time
-        self.async_scheduling = on_gpu if async_ is None else bool(async_)
+        self.async_scheduling = self.device.type == "cuda" if async_ is None else bool(async_)
         self.block_size, self.seed = ec.cache.block_size, ec.load.seed
         self._inflight = None           # async scheduling: (step, launched) whose tokens are not back yet
         self._launched = None           # and (step, launched) queued behind it, not yet advanced (constrained steps)
@@ -542,8 +539,9 @@ class EngineStep(EngineRequests):
 
     def step(self) -> list[RequestOutput]:
         "Run one scheduler step; returns the outputs of requests that made progress (finished ones included)."
-        if self.async_scheduling: return self._step_async()
-        if not self.scheduler.has_unfinished(): return []
+        if self.async_scheduling and not self._speculates(): return self._step_async()
+        settled = self._settle()            # a step may draft only from settled tokens: the one in flight first
+        if not self.scheduler.has_unfinished(): return settled
         row = {} if self.ledger is not None else None
         t0 = time.perf_counter()
         step = self.scheduler.schedule(self._drafts())
@@ -553,7 +551,7 @@ class EngineStep(EngineRequests):
         tokens, more = self._verified(step, tokens)
         self.scheduler.update(step, tokens, more)
         self._after_tokens(step, tokens, launched, plan)
-        reports = self._reports(step, t2)
+        reports = settled + self._reports(step, t2)
         t3 = time.perf_counter()
         if row is not None:
             row["prepare"] = (t2 - t1) - row["h2d"] - row["launch"] - row["sync"]   # all host work before launch
@@ -643,11 +641,28 @@ def _after_tokens(self: EngineStep, step: Step, tokens: list[int], launched, pla
 EngineStep._after_tokens = _after_tokens
 
 # %% ../nbs/12_engine.ipynb #b3f0d202
-def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
-    "Prompt lookup's drafts for each running sequence in decode (None: speculation off, or not for this batch)."
+def _speculates(self: EngineStep) -> bool:
+    "Whether the next step may draft: speculation on, and the batch as it is allows it (narrow, nothing special)."
     spec = self.engine_config.speculative
-    if spec is None or self._num_special or self._num_constrained: return None
-    if len(self.scheduler.running) > spec.max_num_seqs: return None      # a wide batch: compute-bound, no drafts
+    return (spec is not None and not (self._num_special or self._num_constrained) and self._launched is None
+            and len(self.scheduler.running) <= spec.max_num_seqs)           # wider: compute-bound, no drafts
+
+
+def _settle(self: EngineStep) -> list[RequestOutput]:
+    "Complete the step in flight (async scheduling) without launching another: its tokens applied, its reports."
+    done, self._inflight = self._inflight, None
+    if done is None: return []
+    step, (launched, plan, _) = done
+    tokens = self.runner.wait(launched)
+    self.scheduler.resolve(step, tokens)
+    self._after_tokens(step, tokens, launched, plan)
+    return self._reports(step, time.perf_counter())
+
+
+def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
+    "Prompt lookup's drafts for each running sequence in decode (None: no drafting this step)."
+    if not self._speculates(): return None
+    spec = self.engine_config.speculative
     drafts, k = {}, spec.num_speculative_tokens
     for seq in self.scheduler.running:
         room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens
@@ -677,7 +692,8 @@ def _draw_rows(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
         rows += [c.sampling_row] * n; offsets += range(j, j + n)
     return SamplingRows(*zip(*rows)), offsets
 
-EngineStep._drafts, EngineStep._verified, EngineStep._draw_rows = _drafts, _verified, _draw_rows
+EngineStep._speculates, EngineStep._settle, EngineStep._drafts = _speculates, _settle, _drafts
+EngineStep._verified, EngineStep._draw_rows = _verified, _draw_rows
 
 # %% ../nbs/12_engine.ipynb #5ca7241c
 class EngineLaunch(EngineStep):

@@ -18,10 +18,11 @@ PROMPTS = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef
 MAX_TOKENS = (40, 33, 7, 48, 1, 26)
 
 
-def _run(speculative, params, num_kv_blocks=96, max_num_batched_tokens=64, max_num_seqs=4, prompts=PROMPTS):
+def _run(speculative, params, num_kv_blocks=96, max_num_batched_tokens=64, max_num_seqs=4, prompts=PROMPTS,
+         async_scheduling=False):
     "Outputs of `prompts`, stepping by hand with every invariant checked after each step; the engine too."
     llm = LLM(MODEL, dtype="float32", num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, speculative=speculative)
+              max_num_batched_tokens=max_num_batched_tokens, speculative=speculative, async_scheduling=async_scheduling)
     for p, sp in zip(prompts, params): llm.add_request(p, sp, stream=False)
     outs, drafts, steps = {}, {}, 0
     while llm.has_unfinished_requests():
@@ -114,9 +115,19 @@ def test_requests_with_extras_decode_one_token_at_a_time():
     assert alone == plain[:1] and lone.num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_async_scheduling_between_drafting_steps(temperature):
+    """Under async scheduling the engine steps ahead while the batch is too wide to draft (here more than 2
+    sequences), settles the step in flight before a drafting step, and gives plain decoding's tokens throughout."""
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    plain, _, _ = _run(None, params, async_scheduling=True)
+    spec, _, llm = _run(SpeculativeConfig(max_num_seqs=2), params, async_scheduling=True)
+    assert spec == plain and llm.async_scheduling and llm.num_draft_tokens > 0
+    if temperature == 0: assert llm.num_accepted_tokens > 0
+
+
 def test_configuration_is_checked():
-    with pytest.raises(ValueError, match="async_scheduling off"):
-        LLM(MODEL, speculative=SpeculativeConfig(), async_scheduling=True)
     with pytest.raises(ValueError, match="method's name"):
         LLM(MODEL, speculative=3.5)
     with pytest.raises(ValueError, match="must be one of"):
@@ -124,7 +135,7 @@ def test_configuration_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(MODEL, speculative=SpeculativeConfig(), tensor_parallel_size=2)
     llm = LLM(MODEL, num_kv_blocks=16, speculative=SpeculativeConfig(num_speculative_tokens=2))
-    assert not llm.async_scheduling and "speculative=SpeculativeConfig(" in str(llm.engine_config)
+    assert "speculative=SpeculativeConfig(" in str(llm.engine_config)
 
 
 def test_verify_steps_replay_in_the_mixed_step_graphs():
