@@ -14,7 +14,8 @@ EOS ignored) on random weights of each shape, in the tutorials' order:
    before each), >15% apart flagged; the device's copy bandwidth and matmul rate measured here for the limit;
 3. profile: one more run under the profiler, device kernels only, the whole run. Each kernel is put in a class
    (decode attention, prefill attention, cuBLAS GEMMs, our GEMVs, norms, SiLU, sampling, other) and each step
-   (kernels between two `load_step_kernel`s) matched with its ledger row (its width in tokens, decode-only or not),
+   (kernels between two `step_marker_kernel`s, which this script launches at the start of every `LLM.step()`:
+   a mixed or eager step launches no `load_step_kernel`) matched with its ledger row (its width in tokens, decode-only or not),
    so every class's time is known by step width, with the device's idle time inside steps (between a step's
    kernels) and between steps. Decode attention's time is set against the K/V bytes the workload
    reads (its bandwidth over the run), the GEMMs' against the weight bytes a step.
@@ -29,6 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, StepLedger, checkpoint, copy_bandwidth_GBps, device_or_skip, disagree, is_smoke,  # noqa: E402
                  model_config, nanovllm_requests, parser, profile_run, run_parts, saver, sync, warm)
+
+import torch                                                                                         # noqa: E402
+import triton                                                                                        # noqa: E402
+import triton.language as tl                                                                         # noqa: E402
 
 from nanoserve.measure import (event_record, is_device_kernel, kv_bytes_per_token, matmul_TFLOPs,   # noqa: E402
                                workload_limit)
@@ -76,17 +81,38 @@ def record_contexts(llm) -> dict[int, int]:
     return seen
 
 
-def steps_of(kernels: list[dict]) -> list[list[dict]]:
-    "Kernels in start order, cut into steps at each `load_step_kernel` (every step's first kernel of ours)."
+@triton.jit
+def step_marker_kernel(count_ptr):
+    tl.store(count_ptr, tl.load(count_ptr) + 1)
+
+
+def mark_steps(llm) -> None:
+    """Launch `step_marker_kernel` at the start of every `LLM.step()` of `llm` (on a GPU): the profile's kernels are
+    cut into steps there (`del llm.step` undoes it). Under async scheduling a call's kernels are those of the step it
+    launches, queued after the marker."""
+    if llm.device.type != "cuda": return
+    count, step = torch.zeros(1, dtype=torch.int32, device=llm.device), llm.step
+    step_marker_kernel[(1,)](count)                         # compiled now, not inside the profiled run
+
+    def marked():
+        step_marker_kernel[(1,)](count)
+        return step()
+    llm.step = marked
+
+
+def steps_of(kernels: list[dict], cut: str = "step_marker_kernel") -> list[list[dict]]:
+    """Kernels in start order, cut into steps at each `cut` kernel (the marker itself dropped; a call that launched
+    nothing, the last one under async scheduling, is an empty step)."""
     steps = []
     for k in kernels:
-        if "load_step_kernel" in k["name"] or not steps: steps.append([])
-        steps[-1].append(k)
+        if cut in k["name"] or not steps: steps.append([])
+        if cut not in k["name"]: steps[-1].append(k)
     return steps
 
 
 def idle_us(kernels: list[dict]) -> float:
     "Time inside [first start, last end] of `kernels` (in start order) when none of them ran: the bubbles."
+    if not kernels: return 0.0
     idle, end = 0.0, kernels[0]["end_us"]
     for k in kernels[1:]:
         idle += max(0.0, k["start_us"] - end)
@@ -102,7 +128,7 @@ def by_width(steps, rows) -> dict:
     for ks, row in zip(steps, rows):
         w = out[width_class(row["num_tokens"])]
         w["steps"] += 1; w["decode_only"] += bool(row["decode_only"]); w["kv_tokens"] += row.get("kv_tokens", 0)
-        w["span_us"] += ks[-1]["end_us"] - ks[0]["start_us"]
+        w["span_us"] += ks[-1]["end_us"] - ks[0]["start_us"] if ks else 0.0
         w["idle_us"] = w.get("idle_us", 0.0) + idle_us(ks)
         for k in ks: w["us"][kernel_class(k["name"])] += k["end_us"] - k["start_us"]
     return {k: {**v, "us": dict(v["us"])} for k, v in sorted(out.items())}
@@ -125,10 +151,12 @@ def profile_shape(shape, res, args):
     llm.reset_prefix_cache()
     llm.ledger = StepLedger()
     contexts = record_contexts(llm)
+    mark_steps(llm)
     with profile_run(llm.device, host_ops=smoke) as run:   # device kernels only (a CPU run has none)
         outs = llm.generate([list(r.prompt_token_ids) for r in reqs], sp)
     rows, llm.ledger = llm.ledger.rows, None
     del llm.scheduler.schedule                              # the class's own again
+    if "step" in vars(llm): del llm.step
     for row in rows: row["kv_tokens"] = contexts.get(row["step"], 0)
     same = hash(tuple(tuple(o.token_ids) for o in outs)) == timed[0][2] == timed[1][2]
     assert same, "the profiled run's tokens differ from the timed runs'"
@@ -149,7 +177,7 @@ def profile_shape(shape, res, args):
            "device_span_us": kernels[-1]["end_us"] - kernels[0]["start_us"] if kernels else None,
            "idle_in_steps_us": sum(idle_us(ks) for ks in steps) if kernels else None,
            "idle_between_steps_us": sum(max(0.0, b[0]["start_us"] - max(k["end_us"] for k in a))
-                                        for a, b in zip(steps, steps[1:])) if kernels else None,
+                                        for a, b in zip(steps, steps[1:]) if a and b) if kernels else None,
            "top_kernels_us": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
            "by_width": by_width(steps, rows) if len(steps) == len(rows) else None,
            "ledger_gpu_s": sum(r.get("gpu", 0.0) for r in rows), "limit": limit,
