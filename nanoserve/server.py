@@ -288,6 +288,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5)
+_ACCEPTED_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)    # drafts kept a verify step, per request
 _FIRST_CHUNK = ("nanoserve_http_time_to_first_chunk_seconds",
                 "Time from a streamed request's arrival to its first token's chunk written to the connection.")
 
@@ -330,6 +331,9 @@ class ServerMetrics:
                               "Mean time between output tokens of a finished request.", _TOKEN_BUCKETS)
         self.e2e = Histogram("nanoserve_e2e_request_latency_seconds",
                              "Time from submission to the last token of a finished request.", _LATENCY_BUCKETS)
+        self.accepted = Histogram("nanoserve_spec_accepted_per_verify_step",
+                                  "Drafts kept a verify step, per finished request that verified any.",
+                                  _ACCEPTED_BUCKETS)
 
     def update(self, llm: LLM, num_new_prompt_tokens: int, outputs: list, finished_reasons: list[str]) -> None:
         "Engine thread, once per loop: gauges from `llm`, counters and histograms from (stream, output) pairs."
@@ -344,6 +348,8 @@ class ServerMetrics:
                 self.generation_tokens += len(out.new_token_ids)
                 if out.first_token_time is not None and len(out.token_ids) == len(out.new_token_ids):
                     self.ttft.observe(out.first_token_time - stream.arrival_time)   # its first report
+                if out.finished and out.num_verify_steps:
+                    self.accepted.observe(out.num_accepted_tokens / out.num_verify_steps)
                 if out.finished and out.finish_reason != "abort":
                     self.e2e.observe(out.finish_time - stream.arrival_time)
                     if len(out.token_ids) > 1:
@@ -388,7 +394,7 @@ def render_metrics(self: ServerMetrics) -> str:
                      f" {self.accepted_tokens}"),
             *_metric("counter", "nanoserve_requests_finished_total", "Requests that ended, by finish reason.",
                     *(f'{{finish_reason="{r}"}} {self.finished[r]}' for r in ("stop", "length", "abort"))),
-            *self.ttft.render(), *self.tpot.render(), *self.e2e.render()]
+            *self.ttft.render(), *self.tpot.render(), *self.e2e.render(), *self.accepted.render()]
     return "\n".join(lines) + "\n"
 
 # %% ../nbs/17_server.ipynb #29e3229c

@@ -2,6 +2,8 @@
 gets with it off (greedy and seeded sampling, in the scheduler's regimes: chunked prefill, preemption, prefix hits,
 forks, stop tokens, max_tokens at every offset), drafts are really verified and kept, no block leaks, and what
 cannot speculate (extras, grammars) decodes as before."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -172,9 +174,13 @@ def test_command_lines_and_metrics():
     assert engine_kwargs(serve_parser().parse_args([]))["speculative"] is None
     llm = LLM(MODEL, dtype="float32", num_kv_blocks=64, speculative=served["speculative"])
     assert llm.engine_config.speculative == SpeculativeConfig(num_speculative_tokens=3)
-    llm.generate(PROMPTS[:2], _greedy((30, 30)))
+    outs = llm.generate(PROMPTS[:2], _greedy((30, 30)))
     metrics = ServerMetrics(llm.num_kv_blocks)
-    metrics.update(llm, 0, [], [])
+    metrics.update(llm, 0, [(SimpleNamespace(arrival_time=o.arrival_time), o) for o in outs], ["length"] * 2)
     text = metrics.render()
+    verified = [o for o in outs if o.num_verify_steps]
+    assert verified and f"nanoserve_spec_accepted_per_verify_step_count {len(verified)}" in text
+    mean = sum(o.num_accepted_tokens / o.num_verify_steps for o in verified)
+    assert f"nanoserve_spec_accepted_per_verify_step_sum {mean!r}" in text
     assert f"nanoserve_spec_draft_tokens_total {llm.num_draft_tokens}" in text and llm.num_draft_tokens > 0
     assert f"nanoserve_spec_accepted_tokens_total {llm.num_accepted_tokens}" in text
