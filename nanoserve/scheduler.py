@@ -566,7 +566,7 @@ def resolve_seqs(sched: SchedulerMoves, step: Step, sampled_token_ids: list[int]
         seq.output_token_ids[k] = token
         if seq.first_token_step is None: seq.first_token_step = first
         if token in seq.stop_token_ids: reason = "stop"
-        elif j in more and (reason := accept_drafts(sched, seq, more[j])): k = len(seq.output_token_ids) - 1
+        elif more and j in more and (reason := accept_drafts(sched, seq, more[j])): k = len(seq.output_token_ids) - 1
         elif seq in sched.finishing: reason = "length"
         else: continue
         del seq.output_token_ids[k + 1:]              # a placeholder of a step launched after this one
