@@ -107,12 +107,15 @@ def tiny_rows(res, args) -> None:
                 s, outs = one_at_a_time(llm, prompts, params)
                 secs[e].append(s)
                 tokens[e] = [list(o.token_ids) for o in outs]
-                drafted, accepted = llm.num_draft_tokens - before[0], llm.num_accepted_tokens - before[1]
+                if e == "prompt lookup":
+                    drafted, accepted = llm.num_draft_tokens - before[0], llm.num_accepted_tokens - before[1]
+                    verify_steps = sum(o.num_verify_steps for o in outs)
         n = sum(map(len, tokens["default"]))
         out[name] = {"num_prompts": len(prompts), "max_tokens": max_tokens, "output_tokens": n,
                      "seconds": secs, "tokens_per_s": {e: n / median(v) for e, v in secs.items()},
                      "same_tokens": tokens["default"] == tokens["prompt lookup"],
-                     "drafted_last_run": drafted, "accepted_last_run": accepted}
+                     "drafted_last_run": drafted, "accepted_last_run": accepted,
+                     "accepted_a_verify_step_last_run": accepted / max(verify_steps, 1)}
         out[name]["speedup"] = out[name]["tokens_per_s"]["prompt lookup"] / out[name]["tokens_per_s"]["default"]
         print(f"tiny {name}: {out[name]['tokens_per_s']['default']:.0f} -> "
               f"{out[name]['tokens_per_s']['prompt lookup']:.0f} tok/s ({out[name]['speedup']:.2f}x), "
