@@ -1,4 +1,4 @@
-"""The decode-attention kernel at the contexts of nano-vllm's workload, by split count (issues 27 and 29).
+"""The decode-attention kernel at the contexts of nano-vllm's workload: split counts, loads ahead (issues 27, 29).
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/decode_workload_h200.py --out $OUT
 
@@ -16,6 +16,10 @@ and timed as 16 calls in one CUDA graph, twice (>15% apart flagged):
   given, its key already in the cache); and the engine's launch over an fp8 (e4m3) cache (issue 29's bytes halved;
   not under `--smoke`: the interpreter's fp8 is not faithful);
 - the package's rule (`choose_num_splits` for the workload's longest context, as `graphs.decode_splits` captures).
+
+`--parts ahead`: the decode loop's loads ahead of their use (`attend_rest`'s `AHEAD`: 0 the control, 1 each
+tile's block ids a tile early, 2 its keys and values too) and tiles of 64 and 128 keys, bf16 and fp8 caches, at
+the rule's split count, the engine's launch.
 
 GB/s counts K and V of every context token once. `estimate` sums each variant's time over the workload's decode
 steps (each sampled step stands for the steps up to the next), for one layer: the rule's total against the best
@@ -83,71 +87,87 @@ def reference(c, H, KVH, D, rope: bool):
     return decode_attention_ref(q, kr, vr, c["tables"][0].long(), c["cl"].long(), D ** -0.5)
 
 
-def call(c, i, splits, rope: bool, out, max_ctx):
+def call(c, i, splits, rope: bool, out, max_ctx, ahead: int = 0, tile: int | None = None):
     "The package's launcher on table set `i`: the engine's launch (`rope`) or the query given."
     kw = dict(rope=(c["qkv"], c["cos"], c["sin"], c["slots"][i]), qk_norm=c["norm"]) if rope else {}
     return decode_attention(None if rope else c["q"], c["kc"], c["vc"], c["tables"][i], c["cl"], out.shape[-1] ** -0.5,
-                            max_ctx, num_splits=splits, out=out, **kw)
+                            max_ctx, num_splits=splits, out=out, ahead=ahead, tile=tile, **kw)
 
 
-def sweep(res, args) -> None:
+def groups(part: str, smoke: bool) -> list[dict]:
+    """The variants a part times at every step, in groups (cache, rope, ahead, tile) of split counts ("rule": the
+    package's). splits: every split count, bf16 with and without RoPE, fp8; ahead: `attend_rest`'s loads ahead (0,
+    1, 2) and tiles of 64 and 128 keys over both caches, at the rule's split count."""
+    caches = ("bf16",) if smoke else ("bf16", "fp8")          # the interpreter's fp8 is not faithful
+    if part == "splits":
+        return [dict(cache=c, rope=r, ahead=0, tile=None, splits=(1, 2, 4, 8, 16, "rule"))
+                for c, r in (("bf16", True), ("bf16", False), ("fp8", True)) if c in caches]
+    return [dict(cache=c, rope=True, ahead=a, tile=t, splits=("rule",)) for c in caches for a in (0, 1, 2)
+            for t in ((16,) if smoke else (64, 128))]
+
+
+def group_name(g: dict) -> str:
+    return f"{g['cache']}{'' if g['rope'] else ' no rope'} ahead {g['ahead']} tile {g['tile'] or 'rule'}"
+
+
+def sweep(res, args, part: str) -> None:
     smoke, dev = is_smoke(args), device_or_skip(args)
     H, KVH, D = (4, 2, 16) if smoke else (16, 8, 128)
     dtype = torch.float16 if smoke else torch.bfloat16
     bw, _ = copy_bandwidth_GBps(1 << 20 if smoke else 4 << 30, dev)
-    res.update(copy_bandwidth_GBps=bw, heads=[H, KVH, D], points=[])
+    out_part = res.setdefault(part, {})
+    out_part.update(copy_bandwidth_GBps=bw, heads=[H, KVH, D], points=[])
     max_model_len = 64 if smoke else 40960
     for s, ctxs in workload_steps(smoke):
-        B = bucket(len(ctxs))
+        B, n = bucket(len(ctxs)), len(ctxs)
         rule = choose_num_splits(B, KVH, max_model_len, tile_n(16), num_sms(dev), D)
-        point = {"step": s, "rows": len(ctxs), "bucket": B, "mean_ctx": sum(ctxs) / len(ctxs),
+        point = {"step": s, "rows": n, "bucket": B, "mean_ctx": sum(ctxs) / n,
                  "kv_bytes": sum(ctxs) * KVH * D * 2 * 2, "rule_splits": rule, "variants": []}
-        for cache, rope in (("bf16", True), ("bf16", False), ("fp8", True)):
-            if cache == "fp8" and smoke: continue                          # the interpreter's fp8 is not faithful
-            if rope or cache == "fp8":
-                c = make_case(dev, ctxs, H, KVH, D, 1 << 20 if smoke else 4 << 30, dtype, seed=s,
-                              cache_dtype=torch.float8_e4m3fn if cache == "fp8" else None)
+        for cache in dict.fromkeys(g["cache"] for g in groups(part, smoke)):
+            c = make_case(dev, ctxs, H, KVH, D, 1 << 20 if smoke else 4 << 30, dtype, seed=s,
+                          cache_dtype=torch.float8_e4m3fn if cache == "fp8" else None)
             nbytes = sum(ctxs) * KVH * D * 2 * (1 if cache == "fp8" else 2)
-            ref = reference(c, H, KVH, D, rope)
-            for splits in sorted({1, 2, 4, 8, 16, rule}):
-                out = torch.empty(B, H, D, device=dev, dtype=dtype)
-                call(c, 0, splits, rope, out, max_model_len)
-                n = len(ctxs)
-                err = rel_err(out[:n].float(), ref[:n])
-                assert err < (5e-2 if cache == "fp8" else 2e-2), (s, cache, splits, rope, err)
-                t, flag = graph_ms([lambda i=i % 2: call(c, i, splits, rope, out, max_model_len)
-                                    for i in range(2 if smoke else 16)], dev)
-                v = {"cache": cache, "splits": splits, "rope": rope, "rule": splits == rule, "rel_err": err, "ms": t,
-                     "disagree": flag, "GBps": nbytes / min(t) / 1e6, "share": nbytes / min(t) / 1e6 / bw}
-                point["variants"].append(v)
-                print(s, len(ctxs), {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items()}, flush=True)
-        res["points"].append(point)
-        del c, ref
-        if dev.type == "cuda": torch.cuda.empty_cache()
-    estimate(res)
+            refs = {}
+            for g in [g for g in groups(part, smoke) if g["cache"] == cache]:
+                if g["rope"] not in refs: refs[g["rope"]] = reference(c, H, KVH, D, g["rope"])
+                for splits in sorted({rule if x == "rule" else x for x in g["splits"]}):
+                    out = torch.empty(B, H, D, device=dev, dtype=dtype)
+                    run = lambda i: call(c, i, splits, g["rope"], out, max_model_len, g["ahead"], g["tile"])
+                    run(0)
+                    err = rel_err(out[:n].float(), refs[g["rope"]][:n])
+                    assert err < (5e-2 if cache == "fp8" else 2e-2), (s, group_name(g), splits, err)
+                    t, flag = graph_ms([lambda i=i % 2: run(i) for i in range(2 if smoke else 16)], dev)
+                    v = {"group": group_name(g), **{k: g[k] for k in ("cache", "rope", "ahead", "tile")},
+                         "splits": splits, "rule": splits == rule, "rel_err": err, "ms": t, "disagree": flag,
+                         "GBps": nbytes / min(t) / 1e6, "share": nbytes / min(t) / 1e6 / bw}
+                    point["variants"].append(v)
+                    print(s, n, {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items()}, flush=True)
+            del c, refs
+            if dev.type == "cuda": torch.cuda.empty_cache()
+        out_part["points"].append(point)
+    estimate(out_part)
 
 
 def estimate(res) -> None:
-    "One layer's decode attention over the workload's decode steps: the rule against the best split count a point."
+    """One layer's decode attention over the workload's decode steps, each group at the rule's split count and at the
+    best split count of each step."""
     pts = res["points"]
     total = defaultdict(float)
     for i, p in enumerate(pts):
         span = (pts[i + 1]["step"] if i + 1 < len(pts) else p["step"] + 1) - p["step"]
-        for cache, rope in {(v["cache"], v["rope"]) for v in p["variants"]}:
-            vs = [v for v in p["variants"] if (v["cache"], v["rope"]) == (cache, rope)]
-            name = cache + ("" if rope else " no rope")
-            total[name + " rule"] += span * min(next(v for v in vs if v["rule"])["ms"])
-            total[name + " best"] += span * min(min(v["ms"]) for v in vs)
-            p[name + " best_splits"] = min(vs, key=lambda v: min(v["ms"]))["splits"]
+        for name in dict.fromkeys(v["group"] for v in p["variants"]):
+            vs = [v for v in p["variants"] if v["group"] == name]
+            total[name + ": rule"] += span * min(next(v for v in vs if v["rule"])["ms"])
+            total[name + ": best"] += span * min(min(v["ms"]) for v in vs)
+            p.setdefault("best_splits", {})[name] = min(vs, key=lambda v: min(v["ms"]))["splits"]
     res["estimate_ms_one_layer"] = total
-    print("estimate (ms, one layer, whole run):", {k: round(v, 2) for k, v in total.items()},
-          {p["step"]: (p["rows"], p["rule_splits"], p["bf16 best_splits"]) for p in pts}, flush=True)
+    print("estimate (ms, one layer, whole run):", {k: round(v, 2) for k, v in total.items()}, flush=True)
 
 
 def main():
-    args = parser(__doc__, parts="sweep").parse_args()
-    res = {"what": "decode attention alone at nano-vllm's workload's decode steps, by split count"}
-    run_parts({"sweep": lambda: sweep(res, args)}, args.parts, saver(NAME, res, args))
+    args = parser(__doc__, parts="splits,ahead").parse_args()
+    res = {"what": "decode attention alone at nano-vllm's workload's decode steps: split counts, loads ahead, tiles"}
+    run_parts({p: (lambda p=p: sweep(res, args, p)) for p in ("splits", "ahead")}, args.parts, saver(NAME, res, args))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ from .runtime import (
 
 # %% auto #0
 __all__ = ['head_rms_norm_ref', 'rope_cache_ref', 'halves_rms_norm', 'qk_norm_args', 'int8_rows', 'int8_round', 'scale_ptrs',
-           'store_halves', 'rope_cache_kernel', 'rope_cache', 'decode_attention_ref', 'paged_kv', 'paged_kv_early',
-           'query_for_cache', 'online_softmax', 'attend_tile', 'head_norm_pair', 'decode_rope', 'store_out',
-           'merge_splits', 'decode_finish', 'split_tiles', 'decode_attention_kernel', 'decode_reduce_kernel',
-           'decode_reduce', 'tile_n', 'prefill_tile_n', 'dot_precision', 'choose_num_splits', 'split_buffers',
-           'decode_attention', 'prefill_attention_ref', 'prefill_block_m', 'prefill_tile_map',
-           'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
+           'store_halves', 'rope_cache_kernel', 'rope_cache', 'decode_attention_ref', 'block_ids', 'paged_kv_at',
+           'paged_kv', 'paged_kv_early', 'query_for_cache', 'online_softmax', 'attend_tile', 'head_norm_pair',
+           'decode_rope', 'store_out', 'merge_splits', 'decode_finish', 'split_tiles', 'attend_rest',
+           'decode_attention_kernel', 'decode_reduce_kernel', 'decode_reduce', 'tile_n', 'prefill_tile_n',
+           'dot_precision', 'choose_num_splits', 'split_buffers', 'decode_attention', 'prefill_attention_ref',
+           'prefill_block_m', 'prefill_tile_map', 'prefill_attention_kernel', 'prefill_attention', 'paged_attention']
 
 # %% ../nbs/06_attention.ipynb #3a1f0c55
 def head_rms_norm_ref(x, weight, eps: float):
@@ -178,11 +178,16 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale:
 
 # %% ../nbs/06_attention.ipynb #2b7d4c19
 @triton.jit
-def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
-             BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
-    """Keys and values [TILE_N, D] of positions `pos` of one sequence (block table row at `table_ptr`), KV head `kvh`,
-    in `DTYPE` (the query's: an fp8 cache is widened here, as it is read; an int8 cache's rows times their scales)."""
-    blk = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+def block_ids(table_ptr, pos, valid, BLOCK_SIZE: tl.constexpr):
+    "The block holding each position `pos` [TILE_N] of one sequence (its block-table row at `table_ptr`)."
+    return tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+
+
+@triton.jit
+def paged_kv_at(k_cache_ptr, v_cache_ptr, blk, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+                BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    """Keys and values [TILE_N, D] of positions `pos` in blocks `blk`, KV head `kvh`, in `DTYPE` (the query's: an fp8
+    cache is widened here, as it is read; an int8 cache's rows times their scales)."""
     off = blk[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
     k = tl.load(k_cache_ptr + off, mask=valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + off, mask=valid[:, None], other=0.0)
@@ -195,16 +200,24 @@ def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb,
 
 
 @triton.jit
-def paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+def paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+             BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    "`paged_kv_at` the blocks of positions `pos` of one sequence (its block-table row at `table_ptr`)."
+    return paged_kv_at(k_cache_ptr, v_cache_ptr, block_ids(table_ptr, pos, valid, BLOCK_SIZE), pos, valid, kvh, d,
+                       stride_cb, stride_cs, stride_ch, BLOCK_SIZE, DTYPE)
+
+
+@triton.jit
+def paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, blk, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
                    BLOCK_SIZE: tl.constexpr):
-    """`paged_kv` before the query's dtype is settled: tiles in the cache's own dtype (fp8 stays one byte a value in
-    registers), an int8 cache's scaled into the dtype of `q_ptr`'s values."""
+    """`paged_kv_at` before the query's dtype is settled: tiles in the cache's own dtype (fp8 stays one byte a value
+    in registers), an int8 cache's scaled into the dtype of `q_ptr`'s values."""
     if k_cache_ptr.dtype.element_ty.is_int8():
-        k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
-                        BLOCK_SIZE, q_ptr.dtype.element_ty)
+        k, v = paged_kv_at(k_cache_ptr, v_cache_ptr, blk, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+                           BLOCK_SIZE, q_ptr.dtype.element_ty)
     else:
-        k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
-                        BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
+        k, v = paged_kv_at(k_cache_ptr, v_cache_ptr, blk, pos, valid, kvh, d, stride_cb, stride_cs, stride_ch,
+                           BLOCK_SIZE, k_cache_ptr.dtype.element_ty)
     return k, v
 
 
@@ -357,6 +370,41 @@ def split_tiles(ctx, split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_C
     t_begin = split * tiles_per_split
     return t_begin, tl.minimum(t_begin + tiles_per_split, num_tiles), num_used
 
+# %% ../nbs/06_attention.ipynb #a7e3d1b2
+@triton.jit
+def attend_rest(q, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx, t_begin, t_end, n, kvh, d, m_i, l_i, acc,
+                scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr):
+    """Fold tiles `t_begin + 1 .. t_end - 1` into the running state. `AHEAD` = 1: each tile's block ids are loaded
+    a tile before it, so its keys' addresses are known as it starts; 2: its keys and values too (in the cache's
+    dtype, widened as they are used); 0: each tile's ids, then its keys (the control)."""
+    pos = (t_begin + 1) * TILE_N + n
+    first = (pos < ctx) & (t_begin + 1 < t_end)
+    if AHEAD > 0:
+        blk = block_ids(table_ptr, pos, first, BLOCK_SIZE)
+    if AHEAD == 2:                          # the first tile's keys in flight, the ids of the one after it
+        k_next, v_next = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, blk, pos, first, kvh, d, stride_cb,
+                                        stride_cs, stride_ch, BLOCK_SIZE)
+        blk = block_ids(table_ptr, pos + TILE_N, (pos + TILE_N < ctx) & (t_begin + 2 < t_end), BLOCK_SIZE)
+    for t in range(t_begin + 1, t_end):
+        pos = t * TILE_N + n
+        after = (pos + TILE_N < ctx) & (t + 1 < t_end)
+        if AHEAD == 2:
+            k, v = k_next.to(q.dtype), v_next.to(q.dtype)
+            k_next, v_next = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, blk, pos + TILE_N, after, kvh, d,
+                                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+            blk = block_ids(table_ptr, pos + 2 * TILE_N, (pos + 2 * TILE_N < ctx) & (t + 2 < t_end), BLOCK_SIZE)
+        elif AHEAD == 1:
+            k, v = paged_kv_at(k_cache_ptr, v_cache_ptr, blk, pos, pos < ctx, kvh, d, stride_cb, stride_cs, stride_ch,
+                               BLOCK_SIZE, q.dtype)
+            blk = block_ids(table_ptr, pos + TILE_N, after, BLOCK_SIZE)
+        else:
+            k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos < ctx, kvh, d, stride_cb, stride_cs,
+                            stride_ch, BLOCK_SIZE, q.dtype)
+        m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # %% ../nbs/06_attention.ipynb #c336a4c0
 @triton.jit
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
@@ -368,7 +416,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
                             ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
                             DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = True):
+                            PREFETCH: tl.constexpr = True, AHEAD: tl.constexpr = 0):
     pdl_launch_next(PDL)
     if not PREFETCH: pdl_wait(PDL)          # the control: nothing loaded before the kernels before have finished
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -378,7 +426,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     heads, gm = kvh * G + g, g[:, None] < G
     table_ptr = block_tables_ptr + seq * stride_bt
     pos = t_begin * TILE_N + n              # the first tile: its older keys in flight while the kernels before finish
-    k_old, v_old = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, table_ptr, pos, (pos < ctx - 1) & (t_begin < t_end),
+    old = (pos < ctx - 1) & (t_begin < t_end)
+    k_old, v_old = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, block_ids(table_ptr, pos, old, BLOCK_SIZE), pos, old,
                                   kvh, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     if PREFETCH: pdl_wait(PDL)              # the query and this step's key and value come from the kernels before
     if ROPE:        # q_ptr is the QKV projection's output: q, this step's key and value, rotated here
@@ -388,8 +437,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                                       TILE_N, QK_NORM)
     else:           # this step's key and value are in the cache (`rope_cache` wrote them)
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm, other=0.0)
-        k_new, v_new = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, table_ptr, pos, pos == ctx - 1, kvh, d,
-                                      stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        new = pos == ctx - 1
+        k_new, v_new = paged_kv_early(k_cache_ptr, v_cache_ptr, q_ptr, block_ids(table_ptr, pos, new, BLOCK_SIZE), pos,
+                                      new, kvh, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     if UPCAST: q = q.to(tl.float32)
     q = query_for_cache(q, k_cache_ptr)
     is_new = (pos == ctx - 1)[:, None]      # the first tile holds this step's token: its key from registers
@@ -399,11 +449,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
     if t_begin < t_end: m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
-    for t in range(t_begin + 1, t_end):
-        pos = t * TILE_N + n
-        k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos < ctx, kvh, d, stride_cb, stride_cs, stride_ch,
-                        BLOCK_SIZE, q.dtype)
-        m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    m_i, l_i, acc = attend_rest(q, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx, t_begin, t_end, n, kvh, d, m_i, l_i,
+                                acc, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, DOT_PRECISION, AHEAD)
     if split < num_used:                    # a split past the context's tiles (only under BY_CONTEXT) stores nothing
         decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g,
                       gm, d, num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
@@ -471,7 +518,7 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
                      rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
-                     prefetch: bool = True):
+                     prefetch: bool = True, ahead: int = 0, tile: int | None = None):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
@@ -480,14 +527,15 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     `qk_norm` = (q weight, k weight, eps) normalising each head first. `splits_by_context` (with the in-kernel
     merge): only the splits a context gives tiles to store and merge (False: all `num_splits`, the control).
     `prefetch`: each program loads its first tile of older keys before waiting on the kernels before (under `pdl`;
-    False: after, the control)."""
+    False: after, the control). `ahead`: how far the loop loads ahead of its use (`attend_rest`: 0, 1 the block ids,
+    2 the keys and values too); `tile`: keys an iteration (default `tile_n`)."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
     like = q if q is not None else rope[0]
     out = torch.empty(B, H, D, dtype=like.dtype, device=like.device) if out is None else out
     if B == 0: return out
-    tile = tile_n(block_size)
+    tile = tile or tile_n(block_size)
     if num_splits is None: num_splits = choose_num_splits(B, KVH, max_context_len, tile, num_sms(out.device), D)
     merge = num_splits > 1 and merge_in_kernel
     part_out, part_lse, counters = split_buffers(out, KVH, num_splits, merge)
@@ -505,7 +553,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(like),
-        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, num_warps=4, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
