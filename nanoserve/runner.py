@@ -25,13 +25,13 @@ from .sampler import (LogitsProcessors, SamplingMetadata, reset_slots, sample, t
 from .scheduler import DecodeRows, Step
 
 # %% auto #0
-__all__ = ['KV_CACHE_DTYPES', 'KernelConfig', 'resolve_kernels', 'model_kernels', 'StepInputs', 'SamplingRows', 'sampling_rows',
-           'Sections', 'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager', 'decode_rows',
-           'pack_graph_step', 'add_feeds', 'SamplingExtras', 'add_extras', 'resolve_placeholders', 'processors_of',
-           'start_slots', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer', 'RunnerSetup',
-           'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice', 'Launched',
-           'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_cache_dtype', 'kv_block_bytes', 'step_peak_bytes',
-           'kv_cache_blocks']
+__all__ = ['KV_CACHE_DTYPES', 'KernelConfig', 'resolve_kernels', 'decode_options', 'model_kernels', 'StepInputs', 'SamplingRows',
+           'sampling_rows', 'Sections', 'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager',
+           'decode_rows', 'pack_graph_step', 'add_feeds', 'SamplingExtras', 'add_extras', 'resolve_placeholders',
+           'processors_of', 'start_slots', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer',
+           'RunnerSetup', 'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice',
+           'Launched', 'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_cache_dtype', 'kv_block_bytes',
+           'step_peak_bytes', 'kv_cache_blocks']
 
 # %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class KernelConfig:
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
     decode_splits_by_context: bool = True  # the decode kernel runs only the splits a context has tiles for
     decode_prefetch: bool = True           # the decode kernel's first tile loads before it waits on the kernel before
+    decode_ids_ahead: bool = False         # the decode loop loads each tile's block ids a tile early (`attend_rest`)
+    decode_tile: int | None = None         # keys a decode-loop iteration (None: `tile_n`'s rule, 128 on a GPU)
     qk_norm_in_attention: bool = True      # Qwen3's q/k norms inside the RoPE kernels (False: norms of their own)
     fast_argmax: bool = True               # up to 16 rows: `argmax_rows` (many programs a row), not torch's
     cuda_graphs: bool = True               # False: every step runs eagerly
@@ -59,8 +61,10 @@ class KernelConfig:
     def __post_init__(self):
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.decode_tile not in (None, 16, 32, 64, 128, 256):
+            raise ValueError(f"decode_tile must be None or a power of two from 16 to 256, got {self.decode_tile!r}")
         for name, v in self.__dict__.items():
-            if name != "attention_backend" and not (v is None or isinstance(v, bool)):
+            if name not in ("attention_backend", "decode_tile") and not (v is None or isinstance(v, bool)):
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")
 
     def resolve(self, device: torch.device) -> KernelConfig:
@@ -82,18 +86,26 @@ def resolve_kernels(k: KernelConfig, device: torch.device) -> KernelConfig:
                    cuda_graphs=cuda and backend == "triton" and k.cuda_graphs)
 
 # %% ../nbs/10_runner.ipynb #ef21cc7e
+def decode_options(k: KernelConfig) -> dict:
+    "The decode kernel's options `k` sets apart from `paged_attention`'s defaults (its controls and variants)."
+    options = dict(rope_in_decode=k.rope_in_decode, splits_by_context=k.decode_splits_by_context,
+                   prefetch=k.decode_prefetch, ahead=int(k.decode_ids_ahead), tile=k.decode_tile)
+    defaults = dict(rope_in_decode=True, splits_by_context=True, prefetch=True, ahead=0, tile=None)
+    return {name: v for name, v in options.items() if v != defaults[name]}
+
+
 def model_kernels(k: KernelConfig) -> ModelKernels:
     "The forward pass's kernel table for a resolved `KernelConfig`."
+    options = decode_options(k)
     if k.attention_backend == "torch": attention = paged_attention_ref
-    elif k.rope_in_decode and k.decode_splits_by_context and k.decode_prefetch: attention = paged_attention
-    else: attention = partial(paged_attention, rope_in_decode=k.rope_in_decode,
-                              splits_by_context=k.decode_splits_by_context, prefetch=k.decode_prefetch)
+    else: attention = partial(paged_attention, **options) if options else paged_attention
     return ModelKernels(attention=attention,
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
                         gemv=(gemv if k.tuned_gemv else partial(gemv, tuned=False)) if k.row_gemv else None,
                         norm_in_gemv=k.norm_in_gemv, quant_made_input=k.quant_made_input, pdl=bool(k.pdl),
                         qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention)
+
 
 # %% ../nbs/10_runner.ipynb #5b20fda6
 def _pow2(n: int) -> int: return 1 << max(0, (n - 1).bit_length())
@@ -481,10 +493,11 @@ class RunnerSetup:
 
 # %% ../nbs/10_runner.ipynb #892fda7d
 def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device,
-                            splits_by_context: bool = True, prefetch: bool = True) -> None:
+                            splits_by_context: bool = True, prefetch: bool = True, ahead: int = 0,
+                            tile: int | None = None) -> None:
     """Compile every variant of the Triton decode kernel an eager step can launch: split-K of 1 to 16, with RoPE
-    inside and without, as the model's kernel table launches them (`splits_by_context` and `prefetch` as its
-    `KernelConfig` says). Writes nothing (the one slot is -1)."""
+    inside and without, as the model's kernel table launches them (`splits_by_context`, `prefetch`, `ahead` and
+    `tile` as its `KernelConfig` says). Writes nothing (the one slot is -1)."""
     k_cache, v_cache = kv_caches[0]
     attn, kernels = model.layers[0].self_attn, model.kernels
     H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -496,7 +509,7 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     slots = torch.full((1,), -1, dtype=torch.int64, device=device)
     norm = None
     if attn.q_norm is not None and kernels.qk_norm_in_attention: norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-    kw = dict(pdl=kernels.pdl, splits_by_context=splits_by_context, prefetch=prefetch)
+    kw = dict(pdl=kernels.pdl, splits_by_context=splits_by_context, prefetch=prefetch, ahead=ahead, tile=tile)
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, **kw)
         decode_attention(None, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, out=torch.empty_like(q),
@@ -601,8 +614,9 @@ class RunnerGraphs(RunnerSetup):
     @torch.inference_mode()
     def compile_kernels(self) -> None:
         "Compile the decode kernel's variants now (a second each, then a disk-cache hit), not mid-request."
-        compile_decode_variants(self.model, self.kv_caches, self.device, self.kernels.decode_splits_by_context,
-                                self.kernels.decode_prefetch)
+        k = self.kernels
+        compile_decode_variants(self.model, self.kv_caches, self.device, k.decode_splits_by_context,
+                                k.decode_prefetch, int(k.decode_ids_ahead), k.decode_tile)
 
 # %% ../nbs/10_runner.ipynb #f70fead4
 class RunnerHost(RunnerGraphs):
