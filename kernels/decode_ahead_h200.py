@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, checkpoint, device_or_skip, disagree, drain, free, is_smoke, median, nanovllm_requests,  # noqa: E402
-                 parser, run_parts, saver, sync, warm)
+                 parser, run_parts, saver, sync, warm, write)
 
 NAME = "decode_ahead_h200.json"
 VARIANTS = {"control": {}, "ids ahead, tile 64": {"decode_ids_ahead": True, "decode_tile": 64}}
@@ -60,6 +60,7 @@ def ab(res, args) -> None:
             "disagree": {v: disagree(min(secs[v]), max(secs[v])) for v in VARIANTS},
             "speedup": ctrl / var, "same_tokens": tokens["control"] == tokens["ids ahead, tile 64"]}
         print(cache, {k: v for k, v in res["caches"][cache].items() if k in ("speedup", "same_tokens")}, flush=True)
+        write(NAME, res, args)                                  # each cache's rows as soon as they are measured
 
 
 def main():
