@@ -28,7 +28,7 @@ from .graphs import graph_batch_sizes, graph_token_sizes
 from .params import (Choice, MaskBuffer, PenaltySlots, RequestOutput, SamplingParams, TokenLogprob, new_choice,
                               record_prompt, record_token, start_grammar_bitmask, step_extras)
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus, Step
-from .speculative import SpeculativeConfig, ngram_propose, speculative_config, split_draws
+from .speculative import SpeculativeConfig, next_num_drafts, ngram_propose, speculative_config, split_draws
 from .structured import GrammarCompiler
 from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
 
@@ -189,6 +189,7 @@ class _Request(Choice):
     every_step: bool = True        # looked at every step it samples (streamed, or stop strings); else at its end
     num_reported: int = 0
     group: "_Group | None" = None
+    num_drafts: int = 0            # speculative decoding with adaptive k: its k for the next step (0: not yet set)
 
 
 @dataclass(eq=False)
@@ -667,8 +668,10 @@ def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
     for seq in self.scheduler.running:
         room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens
         if room < 1 or seq.num_computed_tokens != seq.num_tokens - 1: continue
-        if self._requests[seq.seq_id].params.stop: continue          # a stop string is found token by token
-        if d := ngram_propose(seq.all_token_ids, min(k, room), spec.prompt_lookup_max, spec.prompt_lookup_min):
+        r = self._requests[seq.seq_id]
+        if r.params.stop: continue                                   # a stop string is found token by token
+        if d := ngram_propose(seq.all_token_ids, min(r.num_drafts or k, room), spec.prompt_lookup_max,
+                              spec.prompt_lookup_min):
             drafts[seq.seq_id] = d
     return drafts
 
@@ -679,7 +682,18 @@ def _verified(self: EngineStep, step: Step, draws: list[int]) -> tuple[list[int]
     tokens, more = split_draws(step, draws)
     self.num_draft_tokens += sum(s.num_drafts for s in step.chunks)
     self.num_accepted_tokens += sum(map(len, more.values()))
+    if self.engine_config.speculative.adaptive_k: self._adapt_k(step, more)
     return tokens, more
+
+
+def _adapt_k(self: EngineStep, step: Step, more: dict[int, list[int]]) -> None:
+    "Each verify row's request's k for its next step (`next_num_drafts`) from the drafts it kept."
+    k_max, i = self.engine_config.speculative.num_speculative_tokens, len(step.decodes or ())
+    for s in (s for s in step.chunks if s.sample):
+        if s.num_drafts:
+            r = self._requests[s.seq_id]
+            r.num_drafts = next_num_drafts(r.num_drafts or k_max, s.num_drafts, len(more.get(i, ())), k_max)
+        i += 1
 
 
 def _draw_rows(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
@@ -693,7 +707,7 @@ def _draw_rows(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
     return SamplingRows(*zip(*rows)), offsets
 
 EngineStep._speculates, EngineStep._settle, EngineStep._drafts = _speculates, _settle, _drafts
-EngineStep._verified, EngineStep._draw_rows = _verified, _draw_rows
+EngineStep._verified, EngineStep._draw_rows, EngineStep._adapt_k = _verified, _draw_rows, _adapt_k
 
 # %% ../nbs/12_engine.ipynb #5ca7241c
 class EngineLaunch(EngineStep):

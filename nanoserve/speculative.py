@@ -12,7 +12,7 @@ from .scheduler import Step
 
 # %% auto #0
 __all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'accepted_tokens', 'split_draws',
-           'verify_steps']
+           'next_num_drafts', 'verify_steps']
 
 # %% ../nbs/09b_speculative.ipynb #dcf3dda2
 SPECULATIVE_METHODS = ("ngram",)
@@ -25,6 +25,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3          # the longest suffix looked up first ...
     prompt_lookup_min: int = 1          # ... down to the shortest
     max_num_seqs: int = 16              # speculate only while at most this many sequences run (wider: compute-bound)
+    adaptive_k: bool = False            # each request's k follows its acceptance (`next_num_drafts`); False: always k
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -33,6 +34,7 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.adaptive_k, bool): raise ValueError(f"adaptive_k must be a bool, got {self.adaptive_k!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -85,15 +87,25 @@ def split_draws(step: Step, draws: list[int]) -> tuple[list[int], dict[int, list
     if i != len(draws): raise ValueError(f"expected {i} draws for the step, got {len(draws)}")
     return tokens, more
 
+# %% ../nbs/09b_speculative.ipynb #8f4d0b05
+def next_num_drafts(k: int, num_drafts: int, num_accepted: int, k_max: int) -> int:
+    """A request's `k` after a verify step of `num_drafts` drafts that kept `num_accepted` of them: two more when it
+    kept all, else one fewer; within [1, k_max]."""
+    return min(k + 2, k_max) if num_accepted == num_drafts else max(k - 1, 1)
+
+
 # %% ../nbs/09b_speculative.ipynb #0d255ee9
-def verify_steps(token_ids, num_prompt_tokens: int, config: SpeculativeConfig) -> list[int]:
+def verify_steps(token_ids, num_prompt_tokens: int, config: SpeculativeConfig, drafted: list | None = None) -> list[int]:
     """The tokens each decode step emits under `config`'s drafts if the request's output is
-    `token_ids[num_prompt_tokens:]` (plain decoding's: speculation does not change it); plain decoding emits 1."""
-    k, n_max, n_min = config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
-    emitted, i = [], num_prompt_tokens + 1           # the prefill step gives the first output token
+    `token_ids[num_prompt_tokens:]` (plain decoding's: speculation does not change it); plain decoding emits 1.
+    With `drafted` (a list), the drafts each step verified are appended to it."""
+    k_max, n_max, n_min = config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
+    emitted, i, k = [], num_prompt_tokens + 1, k_max   # the prefill step gives the first output token
     while i < len(token_ids):
-        drafts, a = ngram_propose(token_ids[:i], k, n_max, n_min), 0
-        while a < len(drafts) and i + a < len(token_ids) and drafts[a] == token_ids[i + a]: a += 1
-        emitted.append(min(a + 1, len(token_ids) - i))
+        drafts, a = ngram_propose(token_ids[:i], min(k, len(token_ids) - i - 1), n_max, n_min), 0
+        while a < len(drafts) and drafts[a] == token_ids[i + a]: a += 1
+        if drafted is not None: drafted.append(len(drafts))
+        if drafts and config.adaptive_k: k = next_num_drafts(k, len(drafts), a, k_max)
+        emitted.append(a + 1)
         i += emitted[-1]
     return emitted

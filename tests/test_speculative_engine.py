@@ -60,6 +60,17 @@ def test_tokens_are_plain_decodings(regime, temperature):
     if regime == "plain" and temperature == 0: assert spec_steps < plain_steps
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_adaptive_k_changes_drafts_not_tokens(temperature):
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    fixed, _, fixed_llm = _run(SpeculativeConfig(num_speculative_tokens=6), params)
+    adaptive, _, llm = _run(SpeculativeConfig(num_speculative_tokens=6, adaptive_k=True), params)
+    assert [t for t, _, _ in adaptive] == [t for t, _, _ in fixed]
+    assert 0 < llm.num_accepted_tokens <= llm.num_draft_tokens < fixed_llm.num_draft_tokens   # fewer drafts wasted
+    assert llm.num_draft_tokens - llm.num_accepted_tokens < fixed_llm.num_draft_tokens - fixed_llm.num_accepted_tokens
+
+
 def test_stop_tokens_and_eos_mid_draft():
     "A stop token among the accepted drafts ends the request there, as it would one token at a time."
     full, _, _ = _run(None, _greedy())
