@@ -3,7 +3,8 @@
 The speculative-decoding chapter shows that a verify step emits exactly the tokens plain decoding would, so the
 number of verify steps is a function of the plain output alone (`nanoserve.speculative.verify_steps`). This script
 decodes held-out standard-library code greedily with the shipped tiny model, then counts the steps prompt lookup
-would take for each (k, n range), on two workloads:
+would take, and the drafts those steps verify, for each (k, n range), with k fixed and adaptive
+(`SpeculativeConfig.adaptive_k`), on two workloads:
 
 - code: the first 128 tokens of a held-out row, continued for 128 tokens;
 - edit: the same 128 tokens followed by their own first 24 again, continued for 128 tokens (an output that repeats
@@ -38,13 +39,17 @@ def workloads(rows: torch.Tensor, prompt_len: int, repeat: int) -> dict:
     return {"code": code, "edit": [p + p[:repeat] for p in code]}
 
 
-def acceptance(prompts: list, outputs: list, k: int, n_min: int, n_max: int) -> dict:
-    "Decode steps with and without prompt lookup over the plain outputs, and the tokens each step emits."
-    cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=n_min, prompt_lookup_max=n_max)
-    steps = [verify_steps(p + o, len(p), cfg) for p, o in zip(prompts, outputs)]
+def acceptance(prompts: list, outputs: list, k: int, n_min: int, n_max: int, adaptive_k: bool = False) -> dict:
+    """Decode steps with and without prompt lookup over the plain outputs, the tokens each step emits and the drafts
+    it verifies (`adaptive_k`: each request's k follows its acceptance)."""
+    cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=n_min, prompt_lookup_max=n_max,
+                            adaptive_k=adaptive_k)
+    drafted = []
+    steps = [verify_steps(p + o, len(p), cfg, drafted) for p, o in zip(prompts, outputs)]
     tokens, num_steps = sum(map(sum, steps)), sum(map(len, steps))
-    return {"k": k, "n_min": n_min, "n_max": n_max, "tokens": tokens, "steps": num_steps,
-            "tokens_per_step": tokens / num_steps,
+    return {"k": k, "n_min": n_min, "n_max": n_max, "adaptive_k": adaptive_k, "tokens": tokens, "steps": num_steps,
+            "tokens_per_step": tokens / num_steps, "drafts": sum(drafted), "drafts_per_step": sum(drafted) / num_steps,
+            "kept_share": (tokens - num_steps) / max(sum(drafted), 1),
             "per_request": [sum(s) / len(s) for s in steps if s]}
 
 
@@ -62,9 +67,12 @@ def main():
         assert all(len(o) == max_tokens for o in outputs)
         results[name] = {"num_prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
                          "max_tokens": max_tokens,
-                         "rows": [acceptance(prompts, outputs, k, lo, hi) for k in DRAFTS for lo, hi in NGRAMS]}
+                         "rows": [acceptance(prompts, outputs, k, lo, hi, a) for a in (False, True) for k in DRAFTS
+                                  for lo, hi in NGRAMS]}
         for r in results[name]["rows"]:
-            print(f"{name} k={r['k']} n={r['n_min']}..{r['n_max']}: {r['tokens_per_step']:.3f} tokens a step")
+            print(f"{name} k={r['k']} n={r['n_min']}..{r['n_max']}{' adaptive' if r['adaptive_k'] else ''}: "
+                  f"{r['tokens_per_step']:.3f} tokens, {r['drafts_per_step']:.2f} drafts a step "
+                  f"({r['kept_share']:.0%} kept)")
     write("speculative_cpu.json", {"model": "tiny-qwen2-stdlib (shipped, fp32), greedy", "workloads": results,
                                    "cpu_threads": torch.get_num_threads(),
                                    "seconds": time.perf_counter() - t0}, args)
