@@ -21,6 +21,10 @@ and timed as 16 calls in one CUDA graph, twice (>15% apart flagged):
 tile's block ids a tile early, 2 its keys and values too) and tiles of 64 and 128 keys, bf16 and fp8 caches, at
 the rule's split count, the engine's launch.
 
+`--parts fma`: the products on the CUDA cores in fp32 (`attend_tile`'s FMA: the two query heads of a KV head as two
+rows, not padded to the tensor cores' 16), tiles of 32, 64 and 128 keys, ids ahead or not, beside the control and
+the ids-ahead winner, both caches.
+
 GB/s counts K and V of every context token once. `estimate` sums each variant's time over the workload's decode
 steps (each sampled step stands for the steps up to the next), for one layer: the rule's total against the best
 split count at each step's width. `--smoke`: a tiny shape on the CPU under the interpreter.
@@ -87,11 +91,11 @@ def reference(c, H, KVH, D, rope: bool):
     return decode_attention_ref(q, kr, vr, c["tables"][0].long(), c["cl"].long(), D ** -0.5)
 
 
-def call(c, i, splits, rope: bool, out, max_ctx, ahead: int = 0, tile: int | None = None):
+def call(c, i, splits, rope: bool, out, max_ctx, ahead: int = 0, tile: int | None = None, fma: bool = False):
     "The package's launcher on table set `i`: the engine's launch (`rope`) or the query given."
     kw = dict(rope=(c["qkv"], c["cos"], c["sin"], c["slots"][i]), qk_norm=c["norm"]) if rope else {}
     return decode_attention(None if rope else c["q"], c["kc"], c["vc"], c["tables"][i], c["cl"], out.shape[-1] ** -0.5,
-                            max_ctx, num_splits=splits, out=out, ahead=ahead, tile=tile, **kw)
+                            max_ctx, num_splits=splits, out=out, ahead=ahead, tile=tile, fma=fma, **kw)
 
 
 def groups(part: str, smoke: bool) -> list[dict]:
@@ -100,14 +104,19 @@ def groups(part: str, smoke: bool) -> list[dict]:
     1, 2) and tiles of 64 and 128 keys over both caches, at the rule's split count."""
     caches = ("bf16",) if smoke else ("bf16", "fp8")          # the interpreter's fp8 is not faithful
     if part == "splits":
-        return [dict(cache=c, rope=r, ahead=0, tile=None, splits=(1, 2, 4, 8, 16, "rule"))
+        return [dict(cache=c, rope=r, ahead=0, tile=None, splits=(1, 2, 4, 8, 16, "rule"), fma=False)
                 for c, r in (("bf16", True), ("bf16", False), ("fp8", True)) if c in caches]
-    return [dict(cache=c, rope=True, ahead=a, tile=t, splits=("rule",)) for c in caches for a in (0, 1, 2)
+    if part == "fma":
+        return [dict(cache=c, rope=True, ahead=a, tile=t, splits=("rule",), fma=f) for c in caches
+                for f, a, t in ((False, 0, None), (False, 1, 64)) + tuple((True, a, t) for a in (0, 1)
+                                                                         for t in ((16,) if smoke else (32, 64, 128)))]
+    return [dict(cache=c, rope=True, ahead=a, tile=t, splits=("rule",), fma=False) for c in caches for a in (0, 1, 2)
             for t in ((16,) if smoke else (64, 128))]
 
 
 def group_name(g: dict) -> str:
-    return f"{g['cache']}{'' if g['rope'] else ' no rope'} ahead {g['ahead']} tile {g['tile'] or 'rule'}"
+    return (f"{g['cache']}{'' if g['rope'] else ' no rope'}{' fma' if g['fma'] else ''} ahead {g['ahead']} "
+            f"tile {g['tile'] or 'rule'}")
 
 
 def sweep(res, args, part: str) -> None:
@@ -132,12 +141,12 @@ def sweep(res, args, part: str) -> None:
                 if g["rope"] not in refs: refs[g["rope"]] = reference(c, H, KVH, D, g["rope"])
                 for splits in sorted({rule if x == "rule" else x for x in g["splits"]}):
                     out = torch.empty(B, H, D, device=dev, dtype=dtype)
-                    run = lambda i: call(c, i, splits, g["rope"], out, max_model_len, g["ahead"], g["tile"])
+                    run = lambda i: call(c, i, splits, g["rope"], out, max_model_len, g["ahead"], g["tile"], g["fma"])
                     run(0)
                     err = rel_err(out[:n].float(), refs[g["rope"]][:n])
                     assert err < (5e-2 if cache == "fp8" else 2e-2), (s, group_name(g), splits, err)
                     t, flag = graph_ms([lambda i=i % 2: run(i) for i in range(2 if smoke else 16)], dev)
-                    v = {"group": group_name(g), **{k: g[k] for k in ("cache", "rope", "ahead", "tile")},
+                    v = {"group": group_name(g), **{k: g[k] for k in ("cache", "rope", "ahead", "tile", "fma")},
                          "splits": splits, "rule": splits == rule, "rel_err": err, "ms": t, "disagree": flag,
                          "GBps": nbytes / min(t) / 1e6, "share": nbytes / min(t) / 1e6 / bw}
                     point["variants"].append(v)
@@ -165,9 +174,10 @@ def estimate(res) -> None:
 
 
 def main():
-    args = parser(__doc__, parts="splits,ahead").parse_args()
+    args = parser(__doc__, parts="splits,ahead,fma").parse_args()
     res = {"what": "decode attention alone at nano-vllm's workload's decode steps: split counts, loads ahead, tiles"}
-    run_parts({p: (lambda p=p: sweep(res, args, p)) for p in ("splits", "ahead")}, args.parts, saver(NAME, res, args))
+    run_parts({p: (lambda p=p: sweep(res, args, p)) for p in ("splits", "ahead", "fma")}, args.parts,
+              saver(NAME, res, args))
 
 
 if __name__ == "__main__":

@@ -232,23 +232,30 @@ def query_for_cache(q, cache_ptr):
 
 # %% ../nbs/06_attention.ipynb #2b7d4c20
 @triton.jit
-def online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr = "tf32"):
+def online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr = "tf32", FMA: tl.constexpr = False):
     """Fold scores `s` [R, TILE_N] (base 2; -inf where masked) and values `v` into the running max, sum and output.
-    `DOT_PRECISION`: "ieee" for fp32 inputs (an fp32 model computes in fp32, not TF32); bf16 ignores it."""
+    `DOT_PRECISION`: "ieee" for fp32 inputs (an fp32 model computes in fp32, not TF32); bf16 ignores it.
+    `FMA`: the product with `v` on the CUDA cores in fp32 (`attend_tile`)."""
     m_new = tl.maximum(m_i, row_max(s))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + row_sum(p)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    if FMA: pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)                   # [R, D]
+    else: pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
 
 # %% ../nbs/06_attention.ipynb #81017b26
 @triton.jit
-def attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    "Fold a tile of keys `k` and values `v` [TILE_N, D] (`valid`: the context's positions) into the running state."
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
+def attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr, FMA: tl.constexpr = False):
+    """Fold a tile of keys `k` and values `v` [TILE_N, D] (`valid`: the context's positions) into the running state.
+    `FMA`: both products on the CUDA cores in fp32, for as few query rows as the group has (the tensor cores' need 16
+    rows, most of them padding when a KV head serves two queries); keys and values widened as they are used."""
+    if FMA: s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
+    else: s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_G, TILE_N]
     s = tl.where(valid[None, :], s, float("-inf"))
-    return online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION, FMA)
+
 
 # %% ../nbs/06_attention.ipynb #5e2f8a40
 @triton.jit
@@ -374,7 +381,7 @@ def split_tiles(ctx, split, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_C
 @triton.jit
 def attend_rest(q, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx, t_begin, t_end, n, kvh, d, m_i, l_i, acc,
                 scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr, FMA: tl.constexpr = False):
     """Fold tiles `t_begin + 1 .. t_end - 1` into the running state. `AHEAD` = 1: each tile's block ids are loaded
     a tile before it, so its keys' addresses are known as it starts; 2: its keys and values too (in the cache's
     dtype, widened as they are used); 0: each tile's ids, then its keys (the control)."""
@@ -401,7 +408,7 @@ def attend_rest(q, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx, t_begin, t_e
         else:
             k, v = paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos < ctx, kvh, d, stride_cb, stride_cs,
                             stride_ch, BLOCK_SIZE, q.dtype)
-        m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION, FMA)
     return m_i, l_i, acc
 
 
@@ -416,7 +423,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
                             ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
                             DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = True, AHEAD: tl.constexpr = 0):
+                            PREFETCH: tl.constexpr = True, AHEAD: tl.constexpr = 0, FMA: tl.constexpr = False):
     pdl_launch_next(PDL)
     if not PREFETCH: pdl_wait(PDL)          # the control: nothing loaded before the kernels before have finished
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -448,9 +455,10 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
-    if t_begin < t_end: m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    if t_begin < t_end: m_i, l_i, acc = attend_tile(q, k, v, pos < ctx, m_i, l_i, acc, scale_log2, DOT_PRECISION, FMA)
     m_i, l_i, acc = attend_rest(q, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx, t_begin, t_end, n, kvh, d, m_i, l_i,
-                                acc, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, DOT_PRECISION, AHEAD)
+                                acc, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE_N, DOT_PRECISION, AHEAD,
+                                FMA)
     if split < num_used:                    # a split past the context's tiles (only under BY_CONTEXT) stores nothing
         decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g,
                       gm, d, num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
@@ -518,7 +526,7 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
                      rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
-                     prefetch: bool = True, ahead: int = 0, tile: int | None = None):
+                     prefetch: bool = True, ahead: int = 0, tile: int | None = None, fma: bool = False):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
@@ -528,7 +536,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     merge): only the splits a context gives tiles to store and merge (False: all `num_splits`, the control).
     `prefetch`: each program loads its first tile of older keys before waiting on the kernels before (under `pdl`;
     False: after, the control). `ahead`: how far the loop loads ahead of its use (`attend_rest`: 0, 1 the block ids,
-    2 the keys and values too); `tile`: keys an iteration (default `tile_n`)."""
+    2 the keys and values too); `tile`: keys an iteration (default `tile_n`); `fma`: the products on the CUDA cores
+    (`attend_tile`), the query group unpadded."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -550,10 +559,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_args, *qk_norm_args(q, qk_norm),
-        NUM_HEADS=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
+        NUM_HEADS=H, G=G, BLOCK_G=triton.next_power_of_2(G) if fma else max(16, triton.next_power_of_2(G)),
+        HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(like),
-        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, num_warps=4, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, FMA=fma, num_warps=4, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
