@@ -1,4 +1,4 @@
-"""nano-vllm's workload with the decode loop's block ids loaded a tile ahead, tiles of 64 keys, against the control.
+"""nano-vllm's workload with the decode kernel's variants (ids ahead, tiles, products on the CUDA cores) against the control.
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/decode_ahead_h200.py --out $OUT
 
@@ -6,10 +6,12 @@
 block ids loaded a tile early (`KernelConfig.decode_ids_ahead`, `attend_rest`'s AHEAD=1) with tiles of 64 keys
 (`decode_tile=64`) was the fastest of the variants, for the bf16 and the fp8 cache. This runs the whole workload
 (Qwen3-0.6B's shape, random bf16 weights, 256 requests, prompt and output uniform in 100..1,024, greedy, EOS
-ignored) on engines with and without it, for each cache (`--caches`, default bf16 ("auto") and fp8). One engine
+ignored) on engines with and without it (`--variants`: also `decode_fma`, the products on the CUDA cores), for
+each cache (`--caches`, default bf16 ("auto") and fp8). One engine
 at a time fits beside the K/V cache, so the A/B is interleaved by engine: for each round, each variant in
 alternating order is built, run once cold (compiles, captures), its prefix cache emptied, then timed once. The
-greedy tokens of the two variants are compared (bf16: they may differ in the last bits of the attention's sums).
+greedy tokens of each variant are compared with the control's (bf16: they may differ where the attention's sums
+round apart).
 
 Writes decode_ahead_h200.json. `--smoke`: the built-in tiny model, 8 short requests, on the CPU.
 """
@@ -21,7 +23,8 @@ from lab import (LLM, checkpoint, device_or_skip, disagree, drain, free, is_smok
                  parser, run_parts, saver, sync, warm, write)
 
 NAME = "decode_ahead_h200.json"
-VARIANTS = {"control": {}, "ids ahead, tile 64": {"decode_ids_ahead": True, "decode_tile": 64}}
+VARIANTS = {"control": {}, "ids ahead, tile 64": {"decode_ids_ahead": True, "decode_tile": 64},
+            "fma, tile 64": {"decode_fma": True, "decode_tile": 64}}
 
 
 def one_run(model_dir, cache: str, overrides: dict, smoke: bool) -> tuple[float, int, list]:
@@ -47,19 +50,20 @@ def ab(res, args) -> None:
     model_dir, shape = checkpoint("qwen3-0.6B", args)
     rounds = 1 if smoke else args.rounds
     for cache in args.caches.split(","):
-        secs, tokens, n = {v: [] for v in VARIANTS}, {}, 0
+        names = args.variants.split(";")
+        secs, tokens, n = {v: [] for v in names}, {}, 0
         for r in range(rounds):
-            for name in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
+            for name in (names if r % 2 == 0 else names[::-1]):
                 s, n, tokens[name] = one_run(model_dir, cache, VARIANTS[name], smoke)
                 secs[name].append(s)
                 print(f"{cache} round {r} {name}: {n / s:,.0f} tok/s", flush=True)
-        ctrl, var = (median(secs[v]) for v in VARIANTS)
         res.setdefault("caches", {})[cache] = {
             "shape": shape, "output_tokens": n, "seconds": secs,
-            "output_tokens_per_s": {v: [n / s for s in secs[v]] for v in VARIANTS},
-            "disagree": {v: disagree(min(secs[v]), max(secs[v])) for v in VARIANTS},
-            "speedup": ctrl / var, "same_tokens": tokens["control"] == tokens["ids ahead, tile 64"]}
-        print(cache, {k: v for k, v in res["caches"][cache].items() if k in ("speedup", "same_tokens")}, flush=True)
+            "output_tokens_per_s": {v: [n / s for s in secs[v]] for v in names},
+            "disagree": {v: disagree(min(secs[v]), max(secs[v])) for v in names},
+            "speedup_over_control": {v: median(secs[names[0]]) / median(secs[v]) for v in names[1:]},
+            "same_tokens_as_control": {v: tokens[names[0]] == tokens[v] for v in names[1:]}}
+        print(cache, {k: v for k, v in res["caches"][cache].items() if k.endswith("control")}, flush=True)
         write(NAME, res, args)                                  # each cache's rows as soon as they are measured
 
 
@@ -67,6 +71,8 @@ def main():
     ap = parser(__doc__, parts="ab")
     ap.add_argument("--caches", default="auto,fp8", help="kv_cache_dtype values: auto (the model's), fp8, int8")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="control;ids ahead, tile 64",
+                    help="semicolon-separated names, the control first, of: " + "; ".join(VARIANTS))
     args = ap.parse_args()
     res = {"what": "nano-vllm's workload, decode block ids a tile ahead + 64-key tiles against the control",
            "variants": VARIANTS}

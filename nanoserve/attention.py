@@ -670,16 +670,18 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
 # %% ../nbs/06_attention.ipynb #8ca92d60
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
                     pdl: bool = False, rope_in_decode: bool = True, qk_norm: tuple | None = None,
-                    splits_by_context: bool = True, prefetch: bool = True, ahead: int = 0, tile: int | None = None):
+                    splits_by_context: bool = True, prefetch: bool = True, ahead: int = 0, tile: int | None = None,
+                    fma: bool = False):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
     kernels use programmatic dependent launch (the runtime chapter). A decode-only step with `rope_in_decode` is
     one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control).
     `qk_norm` = (q weight, k weight, eps): Qwen3's per-head norm, done by whichever kernel rotates.
     `splits_by_context`: the decode kernel runs only the splits each context has tiles for (False: all, the control);
     `prefetch`: it loads its first tile before waiting on the kernels before (False: after, the control);
-    `ahead` and `tile`: its loop's loads ahead and keys an iteration (`decode_attention`)."""
+    `ahead`, `tile` and `fma`: its loop's loads ahead, keys an iteration, products on the CUDA cores
+    (`decode_attention`)."""
     nd = meta.num_decode_tokens
-    decode_kw = dict(splits_by_context=splits_by_context, prefetch=prefetch, ahead=ahead, tile=tile)
+    decode_kw = dict(splits_by_context=splits_by_context, prefetch=prefetch, ahead=ahead, tile=tile, fma=fma)
     if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,

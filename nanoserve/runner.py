@@ -49,6 +49,7 @@ class KernelConfig:
     decode_prefetch: bool = True           # the decode kernel's first tile loads before it waits on the kernel before
     decode_ids_ahead: bool = False         # the decode loop loads each tile's block ids a tile early (`attend_rest`)
     decode_tile: int | None = None         # keys a decode-loop iteration (None: `tile_n`'s rule, 128 on a GPU)
+    decode_fma: bool = False               # the decode kernel's products on the CUDA cores, the query group unpadded
     qk_norm_in_attention: bool = True      # Qwen3's q/k norms inside the RoPE kernels (False: norms of their own)
     fast_argmax: bool = True               # up to 16 rows: `argmax_rows` (many programs a row), not torch's
     cuda_graphs: bool = True               # False: every step runs eagerly
@@ -89,8 +90,8 @@ def resolve_kernels(k: KernelConfig, device: torch.device) -> KernelConfig:
 def decode_options(k: KernelConfig) -> dict:
     "The decode kernel's options `k` sets apart from `paged_attention`'s defaults (its controls and variants)."
     options = dict(rope_in_decode=k.rope_in_decode, splits_by_context=k.decode_splits_by_context,
-                   prefetch=k.decode_prefetch, ahead=int(k.decode_ids_ahead), tile=k.decode_tile)
-    defaults = dict(rope_in_decode=True, splits_by_context=True, prefetch=True, ahead=0, tile=None)
+                   prefetch=k.decode_prefetch, ahead=int(k.decode_ids_ahead), tile=k.decode_tile, fma=k.decode_fma)
+    defaults = dict(rope_in_decode=True, splits_by_context=True, prefetch=True, ahead=0, tile=None, fma=False)
     return {name: v for name, v in options.items() if v != defaults[name]}
 
 
@@ -494,10 +495,10 @@ class RunnerSetup:
 # %% ../nbs/10_runner.ipynb #892fda7d
 def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: torch.device,
                             splits_by_context: bool = True, prefetch: bool = True, ahead: int = 0,
-                            tile: int | None = None) -> None:
+                            tile: int | None = None, fma: bool = False) -> None:
     """Compile every variant of the Triton decode kernel an eager step can launch: split-K of 1 to 16, with RoPE
-    inside and without, as the model's kernel table launches them (`splits_by_context`, `prefetch`, `ahead` and
-    `tile` as its `KernelConfig` says). Writes nothing (the one slot is -1)."""
+    inside and without, as the model's kernel table launches them (`splits_by_context`, `prefetch`, `ahead`,
+    `tile` and `fma` as its `KernelConfig` says). Writes nothing (the one slot is -1)."""
     k_cache, v_cache = kv_caches[0]
     attn, kernels = model.layers[0].self_attn, model.kernels
     H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -509,7 +510,7 @@ def compile_decode_variants(model: Qwen2ForCausalLM, kv_caches: list, device: to
     slots = torch.full((1,), -1, dtype=torch.int64, device=device)
     norm = None
     if attn.q_norm is not None and kernels.qk_norm_in_attention: norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-    kw = dict(pdl=kernels.pdl, splits_by_context=splits_by_context, prefetch=prefetch, ahead=ahead, tile=tile)
+    kw = dict(pdl=kernels.pdl, splits_by_context=splits_by_context, prefetch=prefetch, ahead=ahead, tile=tile, fma=fma)
     for splits in (1, 2, 4, 8, 16):
         decode_attention(q, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, **kw)
         decode_attention(None, k_cache, v_cache, table, ctx, attn.scale, 1, num_splits=splits, out=torch.empty_like(q),
@@ -616,7 +617,7 @@ class RunnerGraphs(RunnerSetup):
         "Compile the decode kernel's variants now (a second each, then a disk-cache hit), not mid-request."
         k = self.kernels
         compile_decode_variants(self.model, self.kv_caches, self.device, k.decode_splits_by_context,
-                                k.decode_prefetch, int(k.decode_ids_ahead), k.decode_tile)
+                                k.decode_prefetch, int(k.decode_ids_ahead), k.decode_tile, k.decode_fma)
 
 # %% ../nbs/10_runner.ipynb #f70fead4
 class RunnerHost(RunnerGraphs):
