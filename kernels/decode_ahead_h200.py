@@ -1,4 +1,4 @@
-"""nano-vllm's workload with the decode kernel's variants (ids ahead, tiles, products on the CUDA cores) against the control.
+"""nano-vllm's workload with decode-kernel variants (ids ahead, tiles, CUDA-core products) against the control.
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/decode_ahead_h200.py --out $OUT
 
