@@ -11,6 +11,8 @@ Parts (`--parts`, in this order):
   the same prompts followed by their own first tokens: an edit), each request alone: output tokens a second with
   prompt lookup against the default engine, interleaved rounds, the prefix cache emptied before each timed run;
   the tokens a step that verify steps emitted.
+- policy: random weights, random prompts, batch 64 (no drafting by policy) and batch 1 (the back-off where the
+  lookup finds nothing): ms a step of the default engine and of one with prompt lookup, interleaved.
 
     NANOSERVE_GIT_SHA=$(git rev-parse HEAD) PYTHONPATH=. python kernels/speculative_h200.py --out $OUT
 """
@@ -69,6 +71,38 @@ def verify_rows(res, shapes, args, k: int = 4) -> None:
               f"({row['verify_over_decode']:.2f}x), default engine {median(got['default engine']):.3f} ms", flush=True)
         for llm in (spec, plain): drain(llm)
         del spec, plain; free()
+
+
+def policy_rows(res, shapes, args) -> None:
+    """The policy's cost where speculation should not run or not pay: random weights of each shape in bf16, random
+    prompts in steady decode, at batch 64 (more than `max_num_seqs`: no drafting, every step async) and batch 1
+    (drafting allowed; on text the lookup cannot predict the engine backs off): ms a step of the default engine
+    and of one with prompt lookup, interleaved passes. Issue 30's bar: no slowdown at batch 64."""
+    smoke, rows = is_smoke(args), res.setdefault("policy", [])
+    steps, rounds = (2, 1) if smoke else (100, 3)
+    for shape in shapes.split(","):
+        model_dir, name = checkpoint(shape, args)
+        for batch in ((4, 1) if smoke else (64, 1)):                # smoke: 4 rows over a policy of 2
+            kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=max(batch, 8), max_model_len=2048,
+                      num_kv_blocks=4096 if not smoke else 512)                      # two engines in one process
+            lookup = SpeculativeConfig(max_num_seqs=2) if smoke else SpeculativeConfig()
+            engines = {"default": LLM(model_dir, **kw), "prompt lookup": LLM(model_dir, speculative=lookup, **kw)}
+            for llm in engines.values(): steady_decode(llm, batch, prompt_len=16 if smoke else 128)
+            warm(engines["default"].device, 0 if smoke else 2.0)
+            got = {e: [] for e in engines}
+            for r in range(rounds):
+                for e in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    got[e].append(step_ms(engines[e], steps))
+            spec = engines["prompt lookup"]
+            row = {"shape": name, "batch": batch, "steps_a_pass": steps, **{f"{e}_ms": v for e, v in got.items()},
+                   "lookup_over_default": median(got["prompt lookup"]) / median(got["default"]),
+                   "drafted": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
+            rows.append(row)
+            print(f"{name} batch {batch}: default {median(got['default']):.3f} ms, prompt lookup "
+                  f"{median(got['prompt lookup']):.3f} ms ({row['lookup_over_default']:.2f}x), drafted "
+                  f"{row['drafted']}, kept {row['accepted']}", flush=True)
+            for llm in engines.values(): drain(llm)
+            del engines, spec; free()
 
 
 def workloads(smoke: bool) -> dict:
@@ -141,14 +175,14 @@ def check(res, args) -> None:
 
 
 def main():
-    ap = parser(__doc__, parts="check,verify,tiny")
+    ap = parser(__doc__, parts="check,verify,tiny,policy")
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--shapes", default="0.5B,7B")
     args = ap.parse_args()
     device_or_skip(args)
     res = {"what": "speculative decoding with prompt lookup: exactness, the verify step's cost, batch-1 speed"}
     parts = {"check": lambda: check(res, args), "verify": lambda: verify_rows(res, args.shapes, args),
-             "tiny": lambda: tiny_rows(res, args)}
+             "tiny": lambda: tiny_rows(res, args), "policy": lambda: policy_rows(res, args.shapes, args)}
     run_parts(parts, args.parts, saver(args.name, res, args))
 
 

@@ -270,6 +270,7 @@ class EngineSetup:
         self._groups: dict[int, _Group] = {}            # request id -> its choices
         self._num_special = self._num_constrained = 0   # live choices that need extras, and a grammar
         self.num_draft_tokens = self.num_accepted_tokens = 0    # speculative decoding: drafts verified, and kept
+        self._draft_misses = self._backoff_left = 0            # drafting steps in a row with no draft; steps not to draft
         self._grammars, self._grammar_lock = None, threading.Lock()
         self._mask_buffers = None                       # grammar bitmasks' host buffers (made on first use)
         self._ids = itertools.count()
@@ -540,6 +541,7 @@ class EngineStep(EngineRequests):
 
     def step(self) -> list[RequestOutput]:
         "Run one scheduler step; returns the outputs of requests that made progress (finished ones included)."
+        if self._backoff_left: self._backoff_left -= 1           # speculative decoding backing off (`_drafts`)
         if self.async_scheduling and not self._speculates(): return self._step_async()
         settled = self._settle()            # a step may draft only from settled tokens: the one in flight first
         if not self.scheduler.has_unfinished(): return settled
@@ -643,10 +645,11 @@ EngineStep._after_tokens = _after_tokens
 
 # %% ../nbs/12_engine.ipynb #b3f0d202
 def _speculates(self: EngineStep) -> bool:
-    "Whether the next step may draft: speculation on, and the batch as it is allows it (narrow, nothing special)."
+    """Whether the next step may draft: speculation on, not backing off, and the batch as it is allows it (narrow,
+    nothing special)."""
     spec = self.engine_config.speculative
     return (spec is not None and not (self._num_special or self._num_constrained) and self._launched is None
-            and len(self.scheduler.running) <= spec.max_num_seqs)           # wider: compute-bound, no drafts
+            and not self._backoff_left and len(self.scheduler.running) <= spec.max_num_seqs)   # wider: compute-bound
 
 
 def _settle(self: EngineStep) -> list[RequestOutput]:
@@ -664,15 +667,19 @@ def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
     "Prompt lookup's drafts for each running sequence in decode (None: no drafting this step)."
     if not self._speculates(): return None
     spec = self.engine_config.speculative
-    drafts, k = {}, spec.num_speculative_tokens
+    drafts, k, num_looked_up = {}, spec.num_speculative_tokens, 0
     for seq in self.scheduler.running:
         room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens
         if room < 1 or seq.num_computed_tokens != seq.num_tokens - 1: continue
         r = self._requests[seq.seq_id]
         if r.params.stop: continue                                   # a stop string is found token by token
+        num_looked_up += 1
         if d := ngram_propose(seq.all_token_ids, min(r.num_drafts or k, room), spec.prompt_lookup_max,
                               spec.prompt_lookup_min):
             drafts[seq.seq_id] = d
+    if num_looked_up: self._draft_misses = 0 if drafts else self._draft_misses + 1
+    if self._draft_misses >= spec.backoff_after:                   # the lookup finds nothing here: stop a while
+        self._draft_misses, self._backoff_left = 0, spec.backoff_steps
     return drafts
 
 

@@ -26,11 +26,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1          # ... down to the shortest
     max_num_seqs: int = 16              # speculate only while at most this many sequences run (wider: compute-bound)
     adaptive_k: bool = False            # each request's k follows its acceptance (`next_num_drafts`); False: always k
+    backoff_after: int = 4              # drafting steps in a row that found no draft at all, then ...
+    backoff_steps: int = 32             # ... this many steps without drafting (async again); 0: never back off
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs"):
+        if isinstance(self.backoff_steps, bool) or not isinstance(self.backoff_steps, int) or self.backoff_steps < 0:
+            raise ValueError(f"backoff_steps must be an int >= 0, got {self.backoff_steps!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs", "backoff_after"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

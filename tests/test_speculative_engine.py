@@ -71,6 +71,26 @@ def test_adaptive_k_changes_drafts_not_tokens(temperature):
     assert llm.num_draft_tokens - llm.num_accepted_tokens < fixed_llm.num_draft_tokens - fixed_llm.num_accepted_tokens
 
 
+def test_backs_off_where_lookup_finds_nothing():
+    # suffixes of 3 tokens rarely recur in short outputs: drafting steps often find nothing and the engine backs off
+    params = _greedy()
+    plain, _, _ = _run(None, params, async_scheduling=True)
+    spec = SpeculativeConfig(prompt_lookup_min=3, backoff_after=2, backoff_steps=5)
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=64, speculative=spec)
+    for p, sp in zip(PROMPTS, params): llm.add_request(p, sp, stream=False)
+    outs, backing_off, resumed = {}, 0, 0
+    while llm.has_unfinished_requests():
+        resumed += backing_off > 0 and llm._speculates()          # a step that may draft after a back-off
+        assert not (llm._backoff_left > 1 and llm._speculates())   # none while backing off (the step counts one down)
+        for o in llm.step():
+            if o.finished: outs[o.request_id] = o.token_ids
+        backing_off += llm._backoff_left > 0
+        llm.scheduler.check_invariants()
+    assert [outs[k] for k in sorted(outs)] == [t for t, _, _ in plain]
+    assert backing_off > 0 and resumed > 0 and llm.num_draft_tokens > 0     # it backs off, then drafts again
+    assert llm.block_manager.num_used_blocks == 0
+
+
 def test_stop_tokens_and_eos_mid_draft():
     "A stop token among the accepted drafts ends the request there, as it would one token at a time."
     full, _, _ = _run(None, _greedy())
