@@ -682,7 +682,10 @@ def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
         self._draft_misses, self._backoff_left = 0, spec.backoff_steps
     return drafts
 
+EngineStep._speculates, EngineStep._settle, EngineStep._drafts = _speculates, _settle, _drafts
 
+
+# %% ../nbs/12_engine.ipynb #b3f0d203
 def _verified(self: EngineStep, step: Step, draws: list[int]) -> tuple[list[int], dict | None]:
     "(a token for each sampled sequence, a verify row's further tokens) from a step's draws; drafts counted."
     if self.engine_config.speculative is None: return draws, None
@@ -713,7 +716,6 @@ def _draw_rows(self: EngineStep, step: Step) -> tuple[SamplingRows, list[int]]:
         rows += [c.sampling_row] * n; offsets += range(j, j + n)
     return SamplingRows(*zip(*rows)), offsets
 
-EngineStep._speculates, EngineStep._settle, EngineStep._drafts = _speculates, _settle, _drafts
 EngineStep._verified, EngineStep._draw_rows, EngineStep._adapt_k = _verified, _draw_rows, _adapt_k
 
 # %% ../nbs/12_engine.ipynb #5ca7241c

@@ -154,7 +154,8 @@ for cache in ("*i8", "*bf16"):
     for rope in (False, True):      # Qwen3-0.6B's heads, its q/k norms inside
         ptx = compile_ptx(A.decode_attention_kernel, ptrs, dict(
             NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
-            UPCAST=False, ROPE=rope, QK_NORM=rope, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True))
+            UPCAST=False, ROPE=rope, QK_NORM=rope, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True,
+            AHEAD=0, FMA=False))
         out[f"decode {cache} rope={rope}"] = {"cvt_s8": len(re.findall(r"cvt\.[\w.]*s8\b", ptx)),
                                                "st": ptx.count("st.global"), "ld": ptx.count("ld.global")}
     ptx = compile_ptx(A.rope_cache_kernel, ptrs, dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,

@@ -39,14 +39,15 @@ for rope in (False, True):          # the 0.5B heads at batch 1: 16 splits merge
         ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
             NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=16, MERGE=True,
             UPCAST=False, ROPE=rope, QK_NORM=False, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True,
-            PREFETCH=prefetch))
+            PREFETCH=prefetch, AHEAD=0, FMA=False))
         out[f"decode rope={rope}" + ("" if prefetch else " late")] = {
             "bar": ptx.count("bar.sync"), "st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
             "early_ld": loads_before_wait(ptx)}
 for norm in (False, True):          # Qwen3-0.6B's heads, RoPE inside, its q/k norms folded in or not
     ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
         NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
-        UPCAST=False, ROPE=True, QK_NORM=norm, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True))
+        UPCAST=False, ROPE=True, QK_NORM=norm, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True,
+        AHEAD=0, FMA=False))
     out[f"decode qwen3 norm={norm}"] = {"rsqrt": ptx.count("rsqrt."), "ld": ptx.count("ld.global")}
 ptx = compile_ptx(F.argmax_rows_kernel, {"x_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
                                          "out_ptr": "*i64", "counter_ptr": "*i32"},
