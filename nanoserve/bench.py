@@ -699,6 +699,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="nanoserve engines: draft tokens (ngram: prompt lookup) and verify them in one step")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
+    p.add_argument("--speculative-adaptive-k", action="store_true",
+                   help="with --speculative: each request's drafts a step follow its acceptance (up to the most)")
 
 # %% ../nbs/15_bench.ipynb #5b7b6731
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -761,7 +763,8 @@ def engine_kwargs_from_args(args) -> dict:
     if args.no_pdl: kw["pdl"] = False
     if args.threads is not None: kw["num_threads"] = args.threads
     if args.speculative:
-        kw["speculative"] = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+        kw["speculative"] = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                             "adaptive_k": args.speculative_adaptive_k}
     return kw
 
 # %% ../nbs/15_bench.ipynb #9eace5b7

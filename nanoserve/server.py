@@ -1559,8 +1559,10 @@ def _engine_args(e) -> None:
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
     e.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="draft tokens (ngram: prompt lookup) and verify them in one step; steps run synchronously")
+                   help="draft tokens (ngram: prompt lookup) and verify them in one step; drafting steps run synchronously")
     e.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
+    e.add_argument("--speculative-adaptive-k", action="store_true",
+                   help="with --speculative: each request's drafts a step follow its acceptance (up to the most)")
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: the engine picks one per two usable cores, at most 8)")
     e.add_argument("--seed", type=int, default=0)
@@ -1642,7 +1644,8 @@ def engine_kwargs(args) -> dict:
                 quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
                 num_threads=args.threads, generation_config=args.generation_config,
                 speculative=args.speculative and {"method": args.speculative,
-                                                  "num_speculative_tokens": args.num_speculative_tokens})
+                                                  "num_speculative_tokens": args.num_speculative_tokens,
+                                                  "adaptive_k": args.speculative_adaptive_k})
 
 
 def engine_from_args(args) -> EngineThread | EngineProcess:

@@ -199,7 +199,11 @@ def test_command_lines_and_metrics():
     "`bench` and `serve` take --speculative; the engine's counts reach /metrics."
     argv = ["--speculative", "ngram", "--num-speculative-tokens", "3"]
     kw = engine_kwargs_from_args(bench_parser().parse_args(argv))
-    assert kw["speculative"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert kw["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": False}
+    adaptive = engine_kwargs(serve_parser().parse_args(argv + ["--speculative-adaptive-k"]))["speculative"]
+    assert adaptive == {**kw["speculative"], "adaptive_k": True}
+    bench_adaptive = engine_kwargs_from_args(bench_parser().parse_args(argv + ["--speculative-adaptive-k"]))
+    assert bench_adaptive["speculative"] == adaptive
     served = engine_kwargs(serve_parser().parse_args(argv))
     assert served["speculative"] == kw["speculative"]
     assert engine_kwargs(serve_parser().parse_args([]))["speculative"] is None
