@@ -526,7 +526,8 @@ def split_buffers(out: torch.Tensor, num_kv_heads: int, num_splits: int, merge: 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, max_context_len: int,
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
                      rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
-                     prefetch: bool = True, ahead: int = 0, tile: int | None = None, fma: bool = False):
+                     prefetch: bool = True, ahead: int = 0, tile: int | None = None, fma: bool = False,
+                     num_warps: int = 4):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
@@ -537,7 +538,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     `prefetch`: each program loads its first tile of older keys before waiting on the kernels before (under `pdl`;
     False: after, the control). `ahead`: how far the loop loads ahead of its use (`attend_rest`: 0, 1 the block ids,
     2 the keys and values too); `tile`: keys an iteration (default `tile_n`); `fma`: the products on the CUDA cores
-    (`attend_tile`), the query group unpadded."""
+    (`attend_tile`), the query group unpadded; `num_warps`: a program's warps (a lab knob)."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -563,7 +564,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(like),
-        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, FMA=fma, num_warps=4, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, FMA=fma, num_warps=num_warps, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
