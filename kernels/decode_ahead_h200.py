@@ -57,6 +57,9 @@ def ab(res, args) -> None:
                 s, n, tokens[name] = one_run(model_dir, cache, VARIANTS[name], smoke)
                 secs[name].append(s)
                 print(f"{cache} round {r} {name}: {n / s:,.0f} tok/s", flush=True)
+                res.setdefault("runs", []).append({"cache": cache, "round": r, "variant": name, "seconds": s,
+                                                   "output_tokens": n})
+                write(NAME, res, args)                          # each run as it is measured
         res.setdefault("caches", {})[cache] = {
             "shape": shape, "output_tokens": n, "seconds": secs,
             "output_tokens_per_s": {v: [n / s for s in secs[v]] for v in names},
@@ -64,7 +67,7 @@ def ab(res, args) -> None:
             "speedup_over_control": {v: median(secs[names[0]]) / median(secs[v]) for v in names[1:]},
             "same_tokens_as_control": {v: tokens[names[0]] == tokens[v] for v in names[1:]}}
         print(cache, {k: v for k, v in res["caches"][cache].items() if k.endswith("control")}, flush=True)
-        write(NAME, res, args)                                  # each cache's rows as soon as they are measured
+        write(NAME, res, args)
 
 
 def main():

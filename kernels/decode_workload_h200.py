@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_tiles_h200 import graph_ms  # noqa: E402
-from lab import device_or_skip, is_smoke, nanovllm_requests, parser, rel_err, run_parts, saver  # noqa: E402
+from lab import device_or_skip, is_smoke, nanovllm_requests, parser, rel_err, run_parts, saver, write  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -52,7 +52,7 @@ def workload_steps(smoke: bool) -> list[tuple[int, list[int]]]:
     "(decode step, the running rows' context lengths) at the sampled steps of nano-vllm's workload."
     reqs, _ = nanovllm_requests(smoke=smoke)
     lens = [(len(r.prompt_token_ids), r.max_tokens) for r in reqs]
-    steps = (0, 2) if smoke else (0, 150, 300, 450, 600, 700, 800, 880, 940, 980, 1010)
+    steps = (2,) if smoke else (0, 150, 300, 450, 600, 700, 800, 880, 940, 980, 1010)
     return [(s, [p + s + 1 for p, o in lens if o > s]) for s in steps if any(o > s for _, o in lens)]
 
 
@@ -106,8 +106,8 @@ def groups(part: str, smoke: bool) -> list[dict]:
     1, 2) and tiles of 64 and 128 keys over both caches, at the rule's split count."""
     caches = ("bf16",) if smoke else ("bf16", "fp8")          # the interpreter's fp8 is not faithful
     if part == "splits":
-        return [dict(cache=c, rope=r, ahead=0, tile=None, splits=(1, 2, 4, 8, 16, "rule"), fma=False, warps=4)
-                for c, r in (("bf16", True), ("bf16", False), ("fp8", True)) if c in caches]
+        return [dict(cache=c, rope=r, ahead=0, tile=None, splits=(1, "rule") if smoke else (1, 2, 4, 8, 16, "rule"),
+                     fma=False, warps=4) for c, r in (("bf16", True), ("bf16", False), ("fp8", True)) if c in caches]
     if part == "fma":          # tiles of 128 keys in fp32 products would need ~256 registers a thread: left out
         return [dict(cache=c, rope=True, ahead=0, tile=t, splits=("rule",), fma=f, warps=w) for c in caches
                 for f, t, w in ((False, None, 4),) + tuple((True, t, w) for t in ((16,) if smoke else (32, 64))
@@ -158,6 +158,7 @@ def sweep(res, args, part: str) -> None:
             del c, refs
             if dev.type == "cuda": torch.cuda.empty_cache()
         out_part["points"].append(point)
+        write(NAME, res, args)                                  # each step's rows as they are measured
     estimate(out_part)
 
 
