@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .fused import add_rmsnorm_row, gemv, silu_mul_ref
+from .fused import add_rmsnorm_ref, add_rmsnorm_row, gemv, silu_mul_ref
 from .model import (_DTYPES, ModelConfig, Qwen2ForCausalLM, _our_params, load_state_dict,
                              model_from_state_dict, read_config_json)
 from .runtime import (INTERPRET, finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,
@@ -45,9 +45,11 @@ __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS
            'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'Fp8Linear', 'int4_linear',
            'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format',
            'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors',
-           'gptq8_quantize', 'checkpoint_layer', 'fused_quant_linear', 'load_quantized_model', 'read_checkpoint_quant',
-           'write_quantized', 'gptq_dense', 'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict',
-           'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality', 'quantized_linear_bytes']
+           'gptq8_quantize', 'add_rmsnorm_gather_kernel', 'add_rmsnorm_gather', 'add_rmsnorm_gather_ref',
+           'checkpoint_layer', 'fused_quant_linear', 'fold_input_order', 'load_quantized_model',
+           'read_checkpoint_quant', 'write_quantized', 'gptq_dense', 'gptq8_state_dict', 'fp8_dequantize',
+           'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality',
+           'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -1408,13 +1410,19 @@ def _makes_input(self: QuantLinear, x: torch.Tensor) -> bool:
 
 def _fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
     """Whether the layer takes `x`, the norm's input [1, K] or the gate/up output [1, 2K], before the kernel that
-    makes its input (`norm_forward`, `gate_up_forward`): inputs in their own order, and `_makes_input`."""
-    return self.input_perm is None and _makes_input(self, x)
+    makes its input (`norm_forward`, `gate_up_forward`): inputs in their own order, and `_makes_input`. In act
+    order it takes the norm's input of any rows on the kernels: the norm writes it gathered (`add_rmsnorm_gather`)."""
+    if self.input_perm is not None: return x.shape[-1] == self.in_features and self.use_kernels(x)
+    return _makes_input(self, x)
 
 
 # %% ../nbs/08_quant.ipynb #5f1a7c1a
 def _norm_forward(self: QuantLinear, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
-    "(self(norm(x + residual)), x + residual), x itself the new residual without one: one GEMV."
+    """(self(norm(x + residual)), x + residual), x itself the new residual without one: one GEMV; in act order the
+    norm's kernel writes its output in the layer's input order, and the product follows."""
+    if self.input_perm is not None:
+        y, residual = add_rmsnorm_gather(x, residual, norm.weight, norm.eps, self.input_perm, pdl=self.pdl)
+        return self.matmul(y), residual
     return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
                       tuned=self.tuned, norm=(norm.weight, norm.eps), residual=residual)
 
@@ -1723,6 +1731,45 @@ def gptq8_quantize(w: torch.Tensor, G: int) -> tuple:
     q = (g / s[..., None] + z[..., None]).round().clamp(0, 255)
     return q.view(N, K).to(torch.uint8), s, z.to(torch.uint8)
 
+# %% ../nbs/08_quant.ipynb #a0c7e1d2
+@triton.jit
+def add_rmsnorm_gather_kernel(x_ptr, residual_ptr, weight_ptr, perm_ptr, out_ptr, new_residual_ptr, eps, stride_x,
+                              stride_r, stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                              HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    "`add_rmsnorm_kernel`'s row with output j read from column perm[j]: one program a row."
+    pdl_launch_next(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    src = tl.load(perm_ptr + cols, mask=mask, other=0)                  # weights: before the wait
+    w = tl.load(weight_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    normed = add_rmsnorm_row(x_ptr, residual_ptr, new_residual_ptr, w, row, src, mask, eps, stride_x, stride_r,
+                             stride_nr, HIDDEN, HAS_RESIDUAL, out_ptr.dtype.element_ty)   # the sum stored at src
+    tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+# %% ../nbs/08_quant.ipynb #a0c7e1d3
+def add_rmsnorm_gather(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       perm: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`add_rmsnorm`'s output [T, H] with its columns in the order `perm` [H], the new residual: x + residual, or x
+    itself without one)."""
+    T, H = x.shape
+    if x.stride(-1) != 1 or not weight.is_contiguous(): raise ValueError("add_rmsnorm_gather: x and weight must be contiguous along H")
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else x
+    if T:
+        r = residual if residual is not None else x
+        add_rmsnorm_gather_kernel[(T,)](x, r, weight, perm, out, new_residual, eps, x.stride(0), r.stride(0),
+                                        out.stride(0), new_residual.stride(0), HIDDEN=H, BLOCK=triton.next_power_of_2(H),
+                                        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
+    return out, new_residual
+
+
+def add_rmsnorm_gather_ref(x, residual, weight, eps, perm):
+    "The torch path: `add_rmsnorm_ref`, then its output's columns gathered."
+    out, new_residual = (add_rmsnorm_ref(x, None, weight, eps), x) if residual is None else add_rmsnorm_ref(x, residual, weight, eps)
+    return out.index_select(-1, perm), new_residual
+
 # %% ../nbs/08_quant.ipynb #6753ac3d
 FUSED_PROJECTIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
                      ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",)))
@@ -1746,6 +1793,14 @@ def fused_quant_linear(parts: list[tuple], bias: torch.Tensor | None, group_size
     values, scales, zeros = (torch.cat([p[i] for p in parts]) for i in range(3))
     return int4_linear(values, scales, zeros, bias, group_size, perm, name)
 
+
+def fold_input_order(feeding: list[tuple], layer: tuple) -> tuple[list[tuple], tuple]:
+    """`layer`'s act-order input order moved into the rows of the projections that feed it output for input (gate and
+    up feed the down projection through SiLU x up): their outputs come in that order, and `layer` gathers nothing."""
+    perm = layer[3]
+    if perm is None: return feeding, layer
+    return [(v[perm], s[perm], z[perm], p) for v, s, z, p in feeding], (*layer[:3], None)
+
 # %% ../nbs/08_quant.ipynb #6abe23e8
 def load_quantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | None = None, device="cpu"):
     "Our decoder from an AWQ or GPTQ checkpoint: its projections repacked into `QuantLinear`s, the rest as `load_model`."
@@ -1754,14 +1809,19 @@ def load_quantized_model(model_dir, q: CheckpointQuant, dtype: torch.dtype | Non
     ckpt = load_state_dict(model_dir)
     layers = {}
     for i in range(cfg.num_hidden_layers):
+        parts = {}
         for block, ours, names in FUSED_PROJECTIONS:
             base = f"model.layers.{i}.{block}"
-            parts = [checkpoint_layer(ckpt, f"{base}.{n}", q) for n in names]
-            for n, part in zip(names, parts):                    # what `_our_params` fuses, without the weights
+            parts[ours] = [checkpoint_layer(ckpt, f"{base}.{n}", q) for n in names]
+            for n, part in zip(names, parts[ours]):              # what `_our_params` fuses, without the weights
                 ckpt[f"{base}.{n}.weight"] = torch.empty(part[0].shape, device="meta")
-            bias = torch.cat([ckpt[f"{base}.{n}.bias"] for n in names]).to(dtype) \
+        gate_up, down = fold_input_order(parts["gate_up_proj"], parts["down_proj"][0])
+        parts["gate_up_proj"], parts["down_proj"] = gate_up, [down]
+        for block, ours, names in FUSED_PROJECTIONS:
+            bias = torch.cat([ckpt[f"model.layers.{i}.{block}.{n}.bias"] for n in names]).to(dtype) \
                 if cfg.attention_bias and ours == "qkv_proj" else None
-            layers[f"layers.{i}.{block}.{ours}"] = fused_quant_linear(parts, bias, q.group_size, f"layers.{i}.{block}.{ours}")
+            name = f"layers.{i}.{block}.{ours}"
+            layers[name] = fused_quant_linear(parts[ours], bias, q.group_size, name)
     with torch.device("meta"): model = Qwen2ForCausalLM(cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in _our_params(cfg, ckpt).items()}, strict=True, assign=True)
     for name, layer in layers.items():

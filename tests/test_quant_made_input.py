@@ -50,7 +50,8 @@ def test_one_bf16_row_is_taken_where_the_gemv_reads_pairs(method):
     q.fuse_input = False
     assert not q.fuses_input(x)                                          # the control
     q.fuse_input, q.input_perm = True, torch.arange(512)
-    assert not q.fuses_input(x)                                          # act order: the input is gathered first
+    assert q.fuses_input(x) and q.fuses_input(torch.randn(2, 512).bfloat16())   # act order: the norm gathers it
+    assert not q.fuses_input(torch.randn(1, 1024).bfloat16())                   # the gate/up output: gathered first
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
