@@ -1,4 +1,5 @@
-"""How many tokens a speculative step would emit with prompt lookup, on the trained tiny model (CPU, no GPU needed).
+"""How many tokens a speculative step emits with prompt lookup and with the trained draft, on the trained tiny model
+(CPU, no GPU needed).
 
 The speculative-decoding chapter shows that a verify step emits exactly the tokens plain decoding would, so the
 number of verify steps is a function of the plain output alone (`nanoserve.speculative.verify_steps`). This script
@@ -9,6 +10,11 @@ would take, and the drafts those steps verify, for each (k, n range), with k fix
 - code: the first 128 tokens of a held-out row, continued for 128 tokens;
 - edit: the same 128 tokens followed by their own first 24 again, continued for 128 tokens (an output that repeats
   much of its prompt, as an edit or a rewrite does).
+
+The draft model (`SpeculativeConfig(method="draft")`, the shipped `tiny-qwen2-stdlib-draft`) is run in the engine
+itself on the same prompts, k fixed and adaptive: its rows count the drafts it made and the target kept (the tokens
+checked against the plain outputs), and the engine's wall time on this CPU beside plain decoding's (batch 16, not a
+GPU figure).
 
 Tokens a step = output tokens after the first (which the prefill step gives) over the decode steps they take; plain
 decoding is exactly 1. The speed-up at batch 1 is this over the cost of a verify step relative to a decode step
@@ -53,6 +59,23 @@ def acceptance(prompts: list, outputs: list, k: int, n_min: int, n_max: int, ada
             "per_request": [sum(s) / len(s) for s in steps if s]}
 
 
+def draft_row(prompts: list, outputs: list, k: int, adaptive_k: bool, max_model_len: int) -> dict:
+    "The draft model's drafts and kept tokens in the engine over `prompts` (the plain `outputs` checked)."
+    spec = SpeculativeConfig("draft", num_speculative_tokens=k, adaptive_k=adaptive_k, max_num_seqs=len(prompts))
+    llm = LLM(max_model_len=max_model_len, max_num_seqs=len(prompts), speculative=spec)
+    params = SamplingParams(temperature=0, max_tokens=len(outputs[0]), ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    assert [list(o.token_ids) for o in outs] == outputs, "the draft changed a token"
+    tokens = sum(len(o) - 1 for o in outputs)                           # after the prefill's
+    steps = tokens - llm.num_accepted_tokens                            # each step: one draw plus the drafts kept
+    return {"proposer": "draft", "k": k, "adaptive_k": adaptive_k, "tokens": tokens, "steps": steps,
+            "tokens_per_step": tokens / steps, "drafts": llm.num_draft_tokens, "drafts_per_step": llm.num_draft_tokens / steps,
+            "kept_share": llm.num_accepted_tokens / max(llm.num_draft_tokens, 1), "engine_seconds": seconds,
+            "per_request": [(len(o.token_ids) - 1) / max(len(o.token_ids) - 1 - o.num_accepted_tokens, 1) for o in outs]}
+
+
 def main():
     args = parser(__doc__, out="figures/data").parse_args()
     smoke = is_smoke(args)
@@ -65,15 +88,24 @@ def main():
     for name, prompts in workloads(rows, prompt_len, repeat=3 * prompt_len // 16).items():
         outputs = [list(o.token_ids) for o in llm.generate(prompts, params)]
         assert all(len(o) == max_tokens for o in outputs)
+        t1 = time.perf_counter()
+        llm.generate(prompts, params)
+        plain_s = time.perf_counter() - t1
         results[name] = {"num_prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-                         "max_tokens": max_tokens,
+                         "max_tokens": max_tokens, "plain_engine_seconds": plain_s,
                          "rows": [acceptance(prompts, outputs, k, lo, hi, a) for a in (False, True) for k in DRAFTS
-                                  for lo, hi in NGRAMS]}
+                                  for lo, hi in NGRAMS],
+                         "draft_rows": [draft_row(prompts, outputs, k, a, 4 * prompt_len) for a in (False, True)
+                                        for k in DRAFTS]}
         for r in results[name]["rows"]:
             print(f"{name} k={r['k']} n={r['n_min']}..{r['n_max']}{' adaptive' if r['adaptive_k'] else ''}: "
                   f"{r['tokens_per_step']:.3f} tokens, {r['drafts_per_step']:.2f} drafts a step "
                   f"({r['kept_share']:.0%} kept)")
-    write("speculative_cpu.json", {"model": "tiny-qwen2-stdlib (shipped, fp32), greedy", "workloads": results,
+        for r in results[name]["draft_rows"]:
+            print(f"{name} draft k={r['k']}{' adaptive' if r['adaptive_k'] else ''}: {r['tokens_per_step']:.3f} tokens, "
+                  f"{r['drafts_per_step']:.2f} drafts a step ({r['kept_share']:.0%} kept); engine {r['engine_seconds']:.1f} s "
+                  f"against plain {plain_s:.1f} s")
+    write("speculative_cpu.json", {"model": "tiny-qwen2-stdlib (shipped, fp32), greedy", "draft": "tiny-qwen2-stdlib-draft", "workloads": results,
                                    "cpu_threads": torch.get_num_threads(),
                                    "seconds": time.perf_counter() - t0}, args)
 

@@ -1,15 +1,15 @@
 """Speculative decoding on the H200: exactness through the graphs, the verify step's cost, the batch-1 speed-up.
 
 Parts (`--parts`, in this order):
-- check: the shipped trained tiny model in fp32, CUDA graphs on: greedy and seeded tokens with prompt lookup equal
-  those of the default engine (async scheduling, no speculation), on repetitive and plain prompts.
+- check: the shipped trained tiny model in fp32, CUDA graphs on: greedy and seeded tokens with prompt lookup and
+  with the shipped draft model equal those of the default engine (async scheduling, no speculation), on repetitive and plain prompts.
 - verify: random weights of each `--shapes` shape in bf16, batch 1 in steady decode from 128-token prompts, one
   engine with speculation, synchronous: ms a step of a plain decode step and of a verify step of 1 + k tokens (k made-up drafts:
   a verify step costs the same whether its drafts hold or not), in interleaved passes; beside them the default
   engine's decode step (async scheduling, no speculation) in the same process. Issue 30's bar: verify <= 1.15x.
 - tiny: the trained tiny model at batch 1, the two workloads of `kernels/speculative_cpu.py` (held-out code, and
   the same prompts followed by their own first tokens: an edit), each request alone: output tokens a second with
-  prompt lookup against the default engine, interleaved rounds, the prefix cache emptied before each timed run;
+  prompt lookup and with the shipped draft model against the default engine, interleaved rounds, the prefix cache emptied before each timed run;
   the tokens a step that verify steps emitted.
 - policy: random weights, random prompts, batch 64 (no drafting by policy) and batch 1 (the back-off where the
   lookup finds nothing): ms a step of the default engine and of one with prompt lookup, interleaved.
@@ -123,17 +123,20 @@ def one_at_a_time(llm, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
+SPECULATIVE = {"prompt lookup": SpeculativeConfig(), "draft model": SpeculativeConfig("draft")}
+
+
 def tiny_rows(res, args) -> None:
     smoke = is_smoke(args)
     max_tokens, rounds = (16, 1) if smoke else (128, 2)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    kw = dict(num_kv_blocks=2048)                                        # two engines in one process
-    engines = {"default": LLM(default_model(), **kw),
-               "prompt lookup": LLM(default_model(), speculative=SpeculativeConfig(), **kw)}
+    kw = dict(num_kv_blocks=2048)                                        # engines in one process
+    engines = {"default": LLM(default_model(), **kw)} | {n: LLM(default_model(), speculative=spec, **kw)
+                                                          for n, spec in SPECULATIVE.items()}
     out = res.setdefault("tiny", {})
     for name, prompts in workloads(smoke).items():
         for llm in engines.values(): one_at_a_time(llm, prompts[:2], params)           # warm: graphs, caches
-        secs, tokens = {e: [] for e in engines}, {}
+        secs, tokens, counts = {e: [] for e in engines}, {}, {}
         for r in range(rounds):
             for e in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
                 llm = engines[e]
@@ -141,35 +144,39 @@ def tiny_rows(res, args) -> None:
                 s, outs = one_at_a_time(llm, prompts, params)
                 secs[e].append(s)
                 tokens[e] = [list(o.token_ids) for o in outs]
-                if e == "prompt lookup":
-                    drafted, accepted = llm.num_draft_tokens - before[0], llm.num_accepted_tokens - before[1]
-                    verify_steps = sum(o.num_verify_steps for o in outs)
+                counts[e] = (llm.num_draft_tokens - before[0], llm.num_accepted_tokens - before[1],
+                             sum(o.num_verify_steps for o in outs))
         n = sum(map(len, tokens["default"]))
-        out[name] = {"num_prompts": len(prompts), "max_tokens": max_tokens, "output_tokens": n,
-                     "seconds": secs, "tokens_per_s": {e: n / median(v) for e, v in secs.items()},
-                     "same_tokens": tokens["default"] == tokens["prompt lookup"],
-                     "drafted_last_run": drafted, "accepted_last_run": accepted,
-                     "accepted_a_verify_step_last_run": accepted / max(verify_steps, 1)}
-        out[name]["speedup"] = out[name]["tokens_per_s"]["prompt lookup"] / out[name]["tokens_per_s"]["default"]
-        print(f"tiny {name}: {out[name]['tokens_per_s']['default']:.0f} -> "
-              f"{out[name]['tokens_per_s']['prompt lookup']:.0f} tok/s ({out[name]['speedup']:.2f}x), "
-              f"same tokens {out[name]['same_tokens']}", flush=True)
+        tps = {e: n / median(v) for e, v in secs.items()}
+        rows = {e: {"same_tokens": tokens[e] == tokens["default"], "speedup": tps[e] / tps["default"],
+                    "drafted_last_run": counts[e][0], "accepted_last_run": counts[e][1],
+                    "accepted_a_verify_step_last_run": counts[e][1] / max(counts[e][2], 1)} for e in SPECULATIVE}
+        out[name] = {"num_prompts": len(prompts), "max_tokens": max_tokens, "output_tokens": n, "seconds": secs,
+                     "tokens_per_s": tps, **rows["prompt lookup"], "draft model": rows["draft model"]}
+        print(f"tiny {name}: default {tps['default']:.0f} tok/s; "
+              + "; ".join(f"{e} {tps[e]:.0f} ({rows[e]['speedup']:.2f}x, same tokens {rows[e]['same_tokens']})"
+                          for e in SPECULATIVE), flush=True)
 
 
 def check(res, args) -> None:
     prompts = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef g(x):\n    return", "Hello",
                "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
     model = tiny_model() if is_smoke(args) else default_model()
-    plain = LLM(model, dtype="float32", num_kv_blocks=2048)             # two engines in one process
-    spec = LLM(model, dtype="float32", speculative=SpeculativeConfig(), num_kv_blocks=2048)
+    plain = LLM(model, dtype="float32", num_kv_blocks=2048)             # engines in one process
+    draft = dict(draft_model=str(model)) if is_smoke(args) else {}       # the random model: itself as its draft
+    specs = {"prompt lookup": SpeculativeConfig(), "draft model": SpeculativeConfig("draft", **draft)}
+    engines = {n: LLM(model, dtype="float32", speculative=spec, num_kv_blocks=2048) for n, spec in specs.items()}
     out = {}
     for name, sp in (("greedy", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)),
                      ("seeded", SamplingParams(max_tokens=64, temperature=0.8, seed=11, ignore_eos=True))):
         a = [o.token_ids for o in plain.generate(prompts, sp)]
-        b = [o.token_ids for o in spec.generate(prompts, sp)]
-        out[name] = {"same_tokens": a == b, "tokens": sum(map(len, a))}
-    out.update(drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens, async_default=plain.async_scheduling,
-               graphs=spec.runner.graphs is not None)
+        same = {n: [o.token_ids for o in llm.generate(prompts, sp)] == a for n, llm in engines.items()}
+        out[name] = {"tokens": sum(map(len, a)), "same_tokens": same["prompt lookup"],
+                     "same_tokens_draft_model": same["draft model"]}
+    lookup, drafter = engines["prompt lookup"], engines["draft model"]
+    out.update(drafted=lookup.num_draft_tokens, accepted=lookup.num_accepted_tokens,
+               draft_model_drafted=drafter.num_draft_tokens, draft_model_accepted=drafter.num_accepted_tokens,
+               async_default=plain.async_scheduling, graphs=all(llm.runner.graphs is not None for llm in engines.values()))
     res["check"] = out
     print("check:", out, flush=True)
 
@@ -180,7 +187,7 @@ def main():
     ap.add_argument("--shapes", default="0.5B,7B")
     args = ap.parse_args()
     device_or_skip(args)
-    res = {"what": "speculative decoding with prompt lookup: exactness, the verify step's cost, batch-1 speed"}
+    res = {"what": "speculative decoding with prompt lookup and a draft model: exactness, the verify step's cost, batch-1 speed"}
     parts = {"check": lambda: check(res, args), "verify": lambda: verify_rows(res, args.shapes, args),
              "tiny": lambda: tiny_rows(res, args), "policy": lambda: policy_rows(res, args.shapes, args)}
     run_parts(parts, args.parts, saver(args.name, res, args))

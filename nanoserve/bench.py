@@ -18,6 +18,7 @@ from .engine import LEDGER_PHASES, LLM, BatchConfig, SamplingParams, StepLedger
 from .measure import (busy_share, copy_bandwidth_GBps, count_device_kernels, matmul_TFLOPs, profile_run,
                                resolve_device, run_meta, warm_gpu, workload_limit)
 from .model import SHAPES, ModelConfig
+from .speculative import add_speculative_args, speculative_args
 from .tokenizer import cache_root, default_model, ensure_default_model, random_hf_weights
 from .yardsticks import run_hf_continuous, run_hf_static
 
@@ -696,11 +697,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="nanoserve engines: one-row steps use cuBLAS, not the fused-kernels chapter's gemv")
     p.add_argument("--no-pdl", action="store_true",
                    help="nanoserve engines: launch Triton kernels without programmatic dependent launch")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="nanoserve engines: draft tokens (ngram: prompt lookup) and verify them in one step")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
-    p.add_argument("--speculative-adaptive-k", action="store_true",
-                   help="with --speculative: each request's drafts a step follow its acceptance (up to the most)")
+    add_speculative_args(p)
 
 # %% ../nbs/15_bench.ipynb #5b7b6731
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -762,9 +759,7 @@ def engine_kwargs_from_args(args) -> dict:
     if args.no_row_gemv: kw["row_gemv"] = False
     if args.no_pdl: kw["pdl"] = False
     if args.threads is not None: kw["num_threads"] = args.threads
-    if args.speculative:
-        kw["speculative"] = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-                             "adaptive_k": args.speculative_adaptive_k}
+    if args.speculative: kw["speculative"] = speculative_args(args)
     return kw
 
 # %% ../nbs/15_bench.ipynb #9eace5b7

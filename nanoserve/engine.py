@@ -31,13 +31,14 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus, Ste
 from .speculative import SpeculativeConfig, next_num_drafts, ngram_propose, speculative_config, split_draws
 from .structured import GrammarCompiler
 from .tokenizer import ByteDetokenizer, IncrementalDetokenizer, byte_level_table, default_model, load_tokenizer
+from .train import draft_model_dir
 
 # %% auto #0
 __all__ = ['LEDGER_PHASES', 'SAMPLING_DEFAULTS', 'LoadConfig', 'CacheSpec', 'BatchConfig', 'EngineConfig', 'check_speculative',
            'config_line', 'engine_config', 'StepLedger', 'cpu_threads', 'engine_device', 'EngineSetup', 'EngineLoad',
            'worker_spec', 'eos_token_ids', 'generation_defaults', 'EngineStart', 'prompt_token_ids', 'check_context',
            'check_token_ids', 'EngineRequests', 'abort_request', 'EngineStep', 'EngineLaunch', 'EngineAsync',
-           'find_stop', 'EngineReports', 'EngineAPI', 'LLM']
+           'find_stop', 'EngineReports', 'EngineAPI', 'LLM', 'DraftModel']
 
 # %% ../nbs/12_engine.ipynb #61f398f0
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -271,6 +272,7 @@ class EngineSetup:
         self._num_special = self._num_constrained = 0   # live choices that need extras, and a grammar
         self.num_draft_tokens = self.num_accepted_tokens = 0    # speculative decoding: drafts verified, and kept
         self._draft_misses = self._backoff_left = 0            # drafting steps in a row with no draft; steps not to draft
+        self.drafter = None                                    # speculative decoding by a draft model: its `DraftModel`
         self._grammars, self._grammar_lock = None, threading.Lock()
         self._mask_buffers = None                       # grammar bitmasks' host buffers (made on first use)
         self._ids = itertools.count()
@@ -413,6 +415,7 @@ class EngineStart(EngineLoad):
         if self.parallel:                # every rank holds its runner (and graphs); from here on steps go to all
             self.parallel.wait_ready()
             self.runner.step_sender = self.parallel.send_step
+        if ec.speculative is not None and ec.speculative.method == "draft": self.drafter = DraftModel(self)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         ec = self.engine_config
@@ -664,25 +667,32 @@ def _settle(self: EngineStep) -> list[RequestOutput]:
 
 
 def _drafts(self: EngineStep) -> dict[int, list[int]] | None:
-    "Prompt lookup's drafts for each running sequence in decode (None: no drafting this step)."
+    "The proposer's drafts for each running sequence in decode (None: no drafting this step)."
     if not self._speculates(): return None
     spec = self.engine_config.speculative
-    drafts, k, num_looked_up = {}, spec.num_speculative_tokens, 0
+    wanted = {}                                                      # seq id -> (its tokens, most drafts)
     for seq in self.scheduler.running:
         room = seq.max_tokens - len(seq.output_token_ids) - 1       # the step's first draw is one of its tokens
         if room < 1 or seq.num_computed_tokens != seq.num_tokens - 1: continue
         r = self._requests[seq.seq_id]
         if r.params.stop: continue                                   # a stop string is found token by token
-        num_looked_up += 1
-        if d := ngram_propose(seq.all_token_ids, min(r.num_drafts or k, room), spec.prompt_lookup_max,
-                              spec.prompt_lookup_min):
-            drafts[seq.seq_id] = d
-    if num_looked_up: self._draft_misses = 0 if drafts else self._draft_misses + 1
-    if self._draft_misses >= spec.backoff_after:                   # the lookup finds nothing here: stop a while
+        wanted[seq.seq_id] = (seq.all_token_ids, min(r.num_drafts or spec.num_speculative_tokens, room))
+    drafts = self._propose(wanted)
+    if wanted: self._draft_misses = 0 if drafts else self._draft_misses + 1
+    if self._draft_misses >= spec.backoff_after:                   # the proposer finds nothing here: stop a while
         self._draft_misses, self._backoff_left = 0, spec.backoff_steps
     return drafts
 
-EngineStep._speculates, EngineStep._settle, EngineStep._drafts = _speculates, _settle, _drafts
+
+def _propose(self: EngineStep, wanted: dict[int, tuple]) -> dict[int, list[int]]:
+    "Drafts for `wanted` (seq id -> (tokens, most drafts)) from the draft model or prompt lookup; none: left out."
+    if self.drafter is not None: return self.drafter.propose(wanted)
+    spec = self.engine_config.speculative
+    return {i: d for i, (ids, k) in wanted.items()
+            if (d := ngram_propose(ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min))}
+
+EngineStep._speculates, EngineStep._settle = _speculates, _settle
+EngineStep._drafts, EngineStep._propose = _drafts, _propose
 
 
 # %% ../nbs/12_engine.ipynb #b3f0d203
@@ -940,6 +950,7 @@ class EngineAPI(EngineReports):
         if self.parallel is not None: self.parallel.shutdown()
         if self._gc_frozen: gc.unfreeze(); self._gc_frozen = False
         if self._mask_pool is not None: self._mask_pool.shutdown(wait=False); self._mask_pool = None
+        if self.drafter is not None: self.drafter.engine.close()
 
     def __repr__(self):
         return (f"LLM({self.model_dir.name}, {self.device.type}, {str(self.dtype).removeprefix('torch.')}, "
@@ -974,3 +985,29 @@ class LLM(EngineAPI):
             for i in ids: self.abort_request(i)
             raise
         return [done[i, j] for i, (_, _, sp) in zip(ids, checked) for j in range(sp.n)]
+
+# %% ../nbs/12_engine.ipynb #e1d2a002
+class DraftModel:
+    "The draft model of a target engine's speculative decoding: an engine of its own that drafts greedily."
+
+    def __init__(self, target: LLM):
+        spec, bs = target.engine_config.speculative, target.block_size
+        model_dir = Path(spec.draft_model) if spec.draft_model is not None else draft_model_dir()
+        seqs, num_blocks = spec.max_num_seqs, -(-target.max_model_len // bs)    # blocks a sequence may need
+        self.engine = LLM(model_dir, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
+                          block_size=bs, max_model_len=target.max_model_len, max_num_seqs=seqs,
+                          num_kv_blocks=min(target.num_kv_blocks, seqs * num_blocks) + seqs,
+                          enable_prefix_caching=True, enforce_eager=not target.use_cuda_graphs)
+        if self.engine.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(f"draft model {model_dir}: its tokenizer is not the target's ({target.model_dir})")
+        self.vocab_size = target.config.vocab_size
+
+    def propose(self, wanted: dict[int, tuple]) -> dict[int, list[int]]:
+        "Up to k greedy tokens after each sequence's tokens (seq id -> (tokens, k)); none where its context is full."
+        room = self.engine.max_model_len
+        todo = {i: (list(ids), min(k, room - len(ids))) for i, (ids, k) in wanted.items() if len(ids) < room}
+        if not todo: return {}
+        params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for _, k in todo.values()]
+        outs = self.engine.generate([ids for ids, _ in todo.values()], params)
+        return {i: d for i, o in zip(todo, outs)
+                if (d := list(itertools.takewhile(lambda t: t < self.vocab_size, o.token_ids)))}   # ids the target has

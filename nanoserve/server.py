@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from .engine import LLM, RequestOutput, SamplingParams
+from .speculative import add_speculative_args, speculative_args
 from .structured import GrammarCompiler, StructuredOutputs, ToolCallStream, parse_tool_calls, tool_call_outputs
 from .tokenizer import load_tokenizer
 
@@ -1558,11 +1559,7 @@ def _engine_args(e) -> None:
                    help="the K/V cache's dtype (auto: the model's; fp8: e4m3; int8: a scale a row; ~2x the blocks)")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
     e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
-    e.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="draft tokens (ngram: prompt lookup) and verify them in one step; drafting steps run synchronously")
-    e.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
-    e.add_argument("--speculative-adaptive-k", action="store_true",
-                   help="with --speculative: each request's drafts a step follow its acceptance (up to the most)")
+    add_speculative_args(e)
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: the engine picks one per two usable cores, at most 8)")
     e.add_argument("--seed", type=int, default=0)
@@ -1643,9 +1640,7 @@ def engine_kwargs(args) -> dict:
                 show_progress=True, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                 quant_group_size=args.quant_group_size, quantize_lm_head=args.quantize_lm_head, freeze_gc=True,
                 num_threads=args.threads, generation_config=args.generation_config,
-                speculative=args.speculative and {"method": args.speculative,
-                                                  "num_speculative_tokens": args.num_speculative_tokens,
-                                                  "adaptive_k": args.speculative_adaptive_k})
+                speculative=speculative_args(args))
 
 
 def engine_from_args(args) -> EngineThread | EngineProcess:

@@ -11,16 +11,18 @@ from dataclasses import dataclass
 from .scheduler import Step
 
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'ngram_propose', 'accepted_tokens', 'split_draws',
-           'next_num_drafts', 'verify_steps']
+__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'add_speculative_args', 'speculative_args',
+           'ngram_propose', 'accepted_tokens', 'split_draws', 'next_num_drafts', 'verify_steps']
 
 # %% ../nbs/09b_speculative.ipynb #dcf3dda2
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     "How a step drafts tokens for the model to verify."
-    method: str = "ngram"               # prompt lookup: drafts copied from the sequence itself, no weights
+    method: str = "ngram"               # prompt lookup: drafts copied from the sequence itself, no weights;
+                                        # "draft": a smaller model over the same tokenizer drafts greedily
+    draft_model: str | None = None      # "draft": its folder (None: the shipped tiny model's draft)
     num_speculative_tokens: int = 4     # k: most drafts a sequence gets in one step
     prompt_lookup_max: int = 3          # the longest suffix looked up first ...
     prompt_lookup_min: int = 1          # ... down to the shortest
@@ -38,6 +40,9 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.draft_model is not None and (self.method != "draft" or not isinstance(self.draft_model, str)):
+            raise ValueError(f"draft_model is a folder (a str) for method 'draft', got {self.draft_model!r} "
+                             f"with method {self.method!r}")
         if not isinstance(self.adaptive_k, bool): raise ValueError(f"adaptive_k must be a bool, got {self.adaptive_k!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
@@ -54,6 +59,25 @@ def speculative_config(value) -> SpeculativeConfig | None:
     if isinstance(value, str): return SpeculativeConfig(method=value)
     if isinstance(value, dict): return SpeculativeConfig(**value)
     raise ValueError(f"speculative must be a method's name, a dict or a SpeculativeConfig, got {type(value).__name__}")
+
+# %% ../nbs/09b_speculative.ipynb #d5f6a703
+def add_speculative_args(p) -> None:
+    "The command lines' speculative-decoding options (`nanoserve bench` and `serve`)."
+    p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
+                   help="draft tokens (ngram: prompt lookup; draft: a draft model) and verify them in one step")
+    p.add_argument("--speculative-draft-model", default=None,
+                   help="with --speculative draft: the draft's folder (default: the shipped tiny model's draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
+    p.add_argument("--speculative-adaptive-k", action="store_true",
+                   help="with --speculative: each request's drafts a step follow its acceptance (up to the most)")
+
+
+def speculative_args(args) -> dict | None:
+    "The engine's `speculative` from those options (None: off)."
+    if not args.speculative: return None
+    d = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+         "adaptive_k": args.speculative_adaptive_k}
+    return d if args.speculative_draft_model is None else {**d, "draft_model": args.speculative_draft_model}
 
 # %% ../nbs/09b_speculative.ipynb #4e595d26
 def ngram_propose(token_ids, k: int, n_max: int, n_min: int = 1) -> list[int]:

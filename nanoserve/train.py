@@ -20,8 +20,9 @@ from .tokenizer import (ENDOFTEXT, IM_END, SHIPPED_MODEL_NAME, SPECIAL_TOKENS, _
                                  _write_json, qwen2_style_tokenizer, shipped_model_dir)
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TINY_STDLIB_SHAPE', 'stdlib_files', 'is_held_out', 'read_corpus', 'train_stdlib_tokenizer', 'pack',
-           'tiny_stdlib_config', 'eval_loss', 'lr_at', 'train', 'save_model_folder', 'heldout_rows']
+__all__ = ['VOCAB_SIZE', 'TINY_STDLIB_SHAPE', 'TINY_DRAFT_SHAPE', 'DRAFT_MODEL_NAME', 'stdlib_files', 'is_held_out',
+           'read_corpus', 'train_stdlib_tokenizer', 'pack', 'tiny_stdlib_config', 'eval_loss', 'lr_at', 'batch_loss',
+           'train', 'save_model_folder', 'heldout_rows', 'draft_model_dir', 'top1_agreement']
 
 # %% ../nbs/04_train_tiny.ipynb #42ad4a8c
 def stdlib_files() -> list[Path]:
@@ -69,11 +70,11 @@ TINY_STDLIB_SHAPE = MappingProxyType(dict(hidden_size=256, intermediate_size=688
                                           rms_norm_eps=1e-6))   # read-only
 
 
-def tiny_stdlib_config(tok):
-    "The transformers `Qwen2Config` of the trained tiny model."
+def tiny_stdlib_config(tok, shape: MappingProxyType = TINY_STDLIB_SHAPE):
+    "The transformers `Qwen2Config` of the trained tiny model (of another `shape` over the same tokenizer: its draft's)."
     from transformers import Qwen2Config
     eos = tok.token_to_id(ENDOFTEXT)
-    return Qwen2Config(architectures=["Qwen2ForCausalLM"], vocab_size=tok.get_vocab_size(), **TINY_STDLIB_SHAPE,
+    return Qwen2Config(architectures=["Qwen2ForCausalLM"], vocab_size=tok.get_vocab_size(), **shape,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
                        bos_token_id=eos, eos_token_id=eos, dtype="bfloat16")
 
@@ -99,10 +100,20 @@ def lr_at(step: int, max_steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 # %% ../nbs/04_train_tiny.ipynb #bd290b93
+def batch_loss(model, b: torch.Tensor, teacher=None) -> torch.Tensor:
+    """Next-token cross-entropy of `model` on rows `b` [B, T + 1]: against the next tokens, or with `teacher`
+    against the teacher's whole distribution at each position (distillation: the KL to it, plus a constant)."""
+    logits = model(b[:, :-1]).logits                                               # [B, T, V]
+    if teacher is None: return torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
+    with torch.no_grad(): target = teacher(b[:, :-1]).logits.float().softmax(-1)  # [B, T, V]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+
+
 def train(model, train_rows: torch.Tensor, heldout_rows: torch.Tensor, *, batch_size: int = 16, max_steps: int = 1000,
           time_budget_s: float = 1500.0, peak_lr: float = 3e-3, warmup: int = 50, eval_every: int = 100,
-          seed: int = 0, log=print) -> list[dict]:
-    "Train in place for `max_steps` or `time_budget_s`; returns the log (step, seconds, train and held-out loss)."
+          seed: int = 0, log=print, teacher=None) -> list[dict]:
+    """Train in place for `max_steps` or `time_budget_s` (on the next tokens, or distilled from `teacher`); returns the
+    log (step, seconds, running training loss, held-out loss on the next tokens)."""
     g = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -113,8 +124,7 @@ def train(model, train_rows: torch.Tensor, heldout_rows: torch.Tensor, *, batch_
     for step in range(max_steps):
         for group in opt.param_groups: group["lr"] = lr_at(step, max_steps, peak_lr, warmup)
         b = train_rows[torch.randint(len(train_rows), (batch_size,), generator=g)]      # [B, T + 1]
-        logits = model(b[:, :-1]).logits                                             # [B, T, V]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
+        loss = batch_loss(model, b, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -148,3 +158,25 @@ def heldout_rows(tok_path: Path, num_rows: int = 64, seq_len: int = 256) -> torc
     tok = Tokenizer.from_file(str(tok_path))
     texts = read_corpus([f for f in stdlib_files() if is_held_out(f)])
     return pack([e.ids for e in tok.encode_batch(texts)], tok.token_to_id(ENDOFTEXT), seq_len)[:num_rows]
+
+# %% ../nbs/04_train_tiny.ipynb #d1a7f002
+TINY_DRAFT_SHAPE = MappingProxyType(dict(TINY_STDLIB_SHAPE, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))   # heads of 64, as the target's
+DRAFT_MODEL_NAME = "tiny-qwen2-stdlib-draft"
+
+
+def draft_model_dir() -> Path:
+    "The shipped draft of the shipped tiny model: a Hugging Face folder beside it."
+    return shipped_model_dir().parent / DRAFT_MODEL_NAME
+
+
+@torch.no_grad()
+def top1_agreement(model, teacher, rows: torch.Tensor, batch_size: int = 16) -> float:
+    """The share of the positions of `rows` [N, T + 1] where `model`'s most likely next token is `teacher`'s: a greedy
+    draft's chance of being kept, one token ahead."""
+    same = count = 0
+    for i in range(0, len(rows), batch_size):
+        b = rows[i:i + batch_size, :-1]                                            # [B, T]
+        same += (model(b).logits.argmax(-1) == teacher(b).logits.argmax(-1)).sum().item()
+        count += b.numel()
+    return same / count

@@ -13,6 +13,7 @@ from nanoserve.graphs import graph_batch_sizes, graph_token_sizes
 from nanoserve.server import ServerMetrics, build_parser as serve_parser, engine_kwargs
 from nanoserve.speculative import SpeculativeConfig
 from nanoserve.tokenizer import default_model, ensure_default_model
+from nanoserve.train import draft_model_dir
 
 MODEL = default_model()            # the trained tiny model: it repeats code, so prompt lookup's drafts often hold
 PROMPTS = ["import os\nimport sys\nimport os\n", "def f(x):\n    return x\n\ndef g(x):\n    return", "Hello",
@@ -219,3 +220,57 @@ def test_command_lines_and_metrics():
     assert f"nanoserve_spec_accepted_per_verify_step_sum {mean!r}" in text
     assert f"nanoserve_spec_draft_tokens_total {llm.num_draft_tokens}" in text and llm.num_draft_tokens > 0
     assert f"nanoserve_spec_accepted_tokens_total {llm.num_accepted_tokens}" in text
+
+
+@pytest.mark.parametrize("regime", ["plain", "preempt"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_model_gives_plain_decodings(regime, temperature):
+    """The shipped draft proposing: every request gets its tokens without speculation (greedy and seeded, with and
+    without preemption: 7 blocks, and the draft's own cache small enough to preempt too), drafts are kept, fewer steps;
+    the draft engine holds no block once its drafts are made."""
+    kw = {"plain": {}, "preempt": {"num_kv_blocks": 7}}[regime]
+    params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    plain, plain_steps, _ = _run(None, params, **kw)
+    spec, spec_steps, llm = _run(SpeculativeConfig("draft"), params, **kw)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain] and [r for _, r, _ in spec] == [r for _, r, _ in plain]
+    assert llm.drafter.engine.model_dir == draft_model_dir() and llm.drafter.engine.block_manager.num_used_blocks == 0
+    assert 0 < llm.num_accepted_tokens <= llm.num_draft_tokens
+    if temperature == 0: assert spec_steps < plain_steps
+
+
+def test_the_target_as_its_own_draft_keeps_its_drafts():
+    "A draft that is the target itself proposes the target's greedy tokens: (nearly) every draft is kept."
+    spec, _, llm = _run(SpeculativeConfig("draft", str(MODEL)), _greedy())
+    assert spec == _run(None, _greedy())[0]
+    assert llm.num_draft_tokens > 50 and llm.num_accepted_tokens >= 0.9 * llm.num_draft_tokens
+
+
+def test_draft_model_drafts_within_its_context():
+    "The draft engine shares the target's context length; a sequence that fills it gets no drafts, one near it fewer."
+    llm = LLM(MODEL, dtype="float32", num_kv_blocks=8, max_model_len=64, speculative=SpeculativeConfig("draft"))
+    d = llm.drafter
+    assert d.engine.max_model_len == 64 and d.engine.block_size == llm.block_size
+    assert d.propose({1: (list(range(5, 69)), 4)}) == {}                      # 64 tokens: the context is full
+    got = d.propose({1: (list(range(5, 67)), 4), 2: ([5, 6, 7], 4)})
+    assert (len(got[1]), len(got[2])) == (2, 4)                               # 62 tokens: room for 2
+
+
+def test_a_draft_over_another_tokenizer_is_refused(tmp_path):
+    import json, shutil
+    folder = tmp_path / "draft"
+    shutil.copytree(draft_model_dir(), folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]                                   # two ids swapped: another tokenizer
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="its tokenizer is not the target's"):
+        LLM(MODEL, dtype="float32", num_kv_blocks=16, speculative=SpeculativeConfig("draft", str(folder)))
+
+
+def test_command_lines_take_a_draft_model():
+    argv = ["--speculative", "draft", "--speculative-draft-model", "some/draft"]
+    want = {"method": "draft", "num_speculative_tokens": 4, "adaptive_k": False, "draft_model": "some/draft"}
+    assert engine_kwargs_from_args(bench_parser().parse_args(argv))["speculative"] == want
+    assert engine_kwargs(serve_parser().parse_args(argv))["speculative"] == want
