@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .block_manager import BlockManager
-from .model import load_model, max_model_len_for
+from .model import ModelConfig, load_model, max_model_len_for
 from .parallel import ParallelConfig, TensorParallel
 from .quant import (QuantConfig, QuantLinear, QuantReport, load_dequantized_model, load_quantized_model,
                              quantize_model, read_checkpoint_quant, weight_bytes)
@@ -993,9 +993,10 @@ class DraftModel:
     def __init__(self, target: LLM):
         spec, bs = target.engine_config.speculative, target.block_size
         model_dir = Path(spec.draft_model) if spec.draft_model is not None else draft_model_dir()
-        seqs, num_blocks = spec.max_num_seqs, -(-target.max_model_len // bs)    # blocks a sequence may need
+        max_len = min(target.max_model_len, ModelConfig.from_model_dir(model_dir).context_length)   # the shorter
+        seqs, num_blocks = spec.max_num_seqs, -(-max_len // bs)                   # blocks a sequence may need
         self.engine = LLM(model_dir, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
-                          block_size=bs, max_model_len=target.max_model_len, max_num_seqs=seqs,
+                          block_size=bs, max_model_len=max_len, max_num_seqs=seqs,
                           num_kv_blocks=min(target.num_kv_blocks, seqs * num_blocks) + seqs,
                           enable_prefix_caching=True, enforce_eager=not target.use_cuda_graphs)
         if self.engine.tokenizer.get_vocab() != target.tokenizer.get_vocab():

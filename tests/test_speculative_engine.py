@@ -256,6 +256,22 @@ def test_draft_model_drafts_within_its_context():
     assert (len(got[1]), len(got[2])) == (2, 4)                               # 62 tokens: room for 2
 
 
+def test_a_draft_of_a_shorter_context_drafts_where_it_can(tmp_path):
+    """A draft whose context is shorter than the target's serves its own; a sequence past it gets no drafts, and
+    every request still gets its plain tokens."""
+    import json, shutil
+    folder = tmp_path / "draft"
+    shutil.copytree(draft_model_dir(), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 48}))
+    prompts = ["x = 1\n" * 9, "Hello"]              # 45 and 3 tokens, 40 more each: the first passes 48 on the way
+    params = _greedy((40, 40))
+    plain, _, _ = _run(None, params, prompts=prompts)
+    spec, _, llm = _run(SpeculativeConfig("draft", str(folder)), params, prompts=prompts)
+    assert spec == plain and llm.drafter.engine.max_model_len == 48 < llm.max_model_len
+    assert llm.num_accepted_tokens > 0
+
+
 def test_a_draft_over_another_tokenizer_is_refused(tmp_path):
     import json, shutil
     folder = tmp_path / "draft"
