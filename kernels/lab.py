@@ -232,7 +232,22 @@ def saver(name: str, res: dict, args):
 from nanoserve.bench import SHAPES, WorkloadSpec, make_workload, random_checkpoint, run_benchmark   # noqa: E402
 from nanoserve.engine import LLM, SamplingParams, StepLedger                                # noqa: E402
 from nanoserve.measure import (busy_share, copy_bandwidth_GBps, count_device_kernels, decode_floor_ms,  # noqa: E402
-                               kv_bytes_per_token, model_weight_bytes, profile_run, time_twice)
+                               event_record, is_device_kernel, kv_bytes_per_token, model_weight_bytes, profile_run,
+                               time_twice)
+
+
+def kernel_table(run, calls: int = 1, top: int = 30) -> dict:
+    "Device kernel time of a profiled run by name (µs a call, and launches), the `top` largest, and the total."
+    by_name, count = {}, {}
+    for e in run.events:
+        if not is_device_kernel(e): continue
+        r = event_record(e)
+        name = r["name"][:100]
+        by_name[name] = by_name.get(name, 0.0) + (r["end_us"] - r["start_us"]) / calls
+        count[name] = count.get(name, 0) + 1
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"total_us": sum(by_name.values()), "kernels": sum(count.values()) / calls,
+            "by_name": {k: {"us": v, "count": count[k] / calls} for k, v in rows}}
 
 
 def tiny_model() -> Path:

@@ -13,13 +13,15 @@ Parts (`--parts`, in this order):
   the tokens a step that verify steps emitted.
 - policy: random weights, random prompts, batch 64 (no drafting by policy) and batch 1 (the back-off where the
   lookup finds nothing): ms a step of the default engine and of one with prompt lookup, interleaved.
+- profile: where a verify step's time goes against a decode step's, random weights of each shape in bf16 at batch 1:
+  device kernels by name over 16 steps of each (the synchronous engine of `verify`), and the wall time of both.
 
     NANOSERVE_GIT_SHA=$(git rev-parse HEAD) PYTHONPATH=. python kernels/speculative_h200.py --out $OUT
 """
 import sys; from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))      # the only sys.path use in the lab
-from lab import (LLM, SamplingParams, checkpoint, device_or_skip, drain, free, is_smoke, median, parser, run_parts,
-                 saver, steady_decode, step_ms, sync, tiny_model, warm)
+from lab import (LLM, SamplingParams, checkpoint, device_or_skip, drain, free, is_smoke, kernel_table, median, parser,
+                 profile_run, run_parts, saver, steady_decode, step_ms, sync, tiny_model, warm)
 
 import time
 
@@ -71,6 +73,29 @@ def verify_rows(res, shapes, args, k: int = 4) -> None:
               f"({row['verify_over_decode']:.2f}x), default engine {median(got['default engine']):.3f} ms", flush=True)
         for llm in (spec, plain): drain(llm)
         del spec, plain; free()
+
+
+def profile_rows(res, shapes, args, k: int = 4, steps: int = 16) -> None:
+    "Device kernels by name over `steps` decode steps and `steps` verify steps of 1 + k, at batch 1 (see the parts)."
+    smoke, rows = is_smoke(args), res.setdefault("profile", [])
+    for shape in shapes.split(","):
+        model_dir, name = checkpoint(shape, args)
+        spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), async_scheduling=False,
+                   dtype="float32" if smoke else "bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
+                   max_model_len=2048, num_kv_blocks=2048)
+        steady_decode(spec, 1)
+        warm(spec.device, 0 if smoke else 2.0)
+        row = {"shape": name, "k": k, "steps": steps}
+        for what, drafts in (("decode", None), ("verify", list(range(3, 3 + k)))):
+            pass_ms(spec, drafts, 4)                                     # the same path, warm
+            with profile_run(spec.device) as run: ms = pass_ms(spec, drafts, steps)
+            row[what] = {"ms_a_step": ms, **kernel_table(run, calls=steps, top=40)}
+        rows.append(row)
+        print(f"{name}: decode {row['decode']['ms_a_step']:.3f} ms, {row['decode']['kernels']:.0f} kernels, "
+              f"{row['decode']['total_us']:.0f} us of kernels; verify {row['verify']['ms_a_step']:.3f} ms, "
+              f"{row['verify']['kernels']:.0f} kernels, {row['verify']['total_us']:.0f} us", flush=True)
+        drain(spec)
+        del spec; free()
 
 
 def policy_rows(res, shapes, args) -> None:
@@ -182,14 +207,15 @@ def check(res, args) -> None:
 
 
 def main():
-    ap = parser(__doc__, parts="check,verify,tiny,policy")
+    ap = parser(__doc__, parts="check,verify,tiny,policy,profile")
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--shapes", default="0.5B,7B")
     args = ap.parse_args()
     device_or_skip(args)
     res = {"what": "speculative decoding with prompt lookup and a draft model: exactness, the verify step's cost, batch-1 speed"}
     parts = {"check": lambda: check(res, args), "verify": lambda: verify_rows(res, args.shapes, args),
-             "tiny": lambda: tiny_rows(res, args), "policy": lambda: policy_rows(res, args.shapes, args)}
+             "tiny": lambda: tiny_rows(res, args), "policy": lambda: policy_rows(res, args.shapes, args),
+             "profile": lambda: profile_rows(res, args.shapes, args)}
     run_parts(parts, args.parts, saver(args.name, res, args))
 
 

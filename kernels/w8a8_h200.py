@@ -19,19 +19,18 @@ In the tutorials' order:
 then write (after every part). `--smoke`: the tiny model on the CPU, tiny shapes, a few steps.
 """
 import gc, itertools, random, sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import (LLM, SamplingParams, device_or_skip, graph_bench, is_smoke, layer_shapes, max_rel_err,  # noqa: E402
-                 median, operand_copies, parser, random_checkpoint, random_linear, rel_err, run_parts, saver,
-                 steady_decode, step_ms_twice, tiny_model, time_wall, twice, warm)
+from lab import (LLM, SamplingParams, device_or_skip, graph_bench, is_smoke, kernel_table, layer_shapes,  # noqa: E402
+                 max_rel_err, median, operand_copies, parser, random_checkpoint, random_linear, rel_err, run_parts,
+                 saver, steady_decode, step_ms_twice, tiny_model, time_wall, twice, warm)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanoserve.fused import gemv  # noqa: E402
-from nanoserve.measure import event_record, is_device_kernel, profile_run  # noqa: E402
+from nanoserve.measure import profile_run  # noqa: E402
 from nanoserve.model import SHAPES, ModelConfig  # noqa: E402
 from nanoserve.quant import (add_rmsnorm_fp8, fp8_matmul, fp8_matmul_ref, quantize_fp8, quantize_rows_fp8,  # noqa: E402
                              quantize_rows_fp8_ref, silu_mul_fp8)
@@ -189,19 +188,6 @@ def decode(res, args, device, dtype):
     res["decode"] = {"steps": steps, "rounds": rounds, "prompt_len": args.prompt_len, "ms_per_step": ms,
                      "summary": summary}
     print(summary, flush=True)
-
-
-def kernel_table(run, calls: int = 1, top: int = 30) -> dict:
-    "Device kernel time by name (µs a call, and launches), the `top` largest, and the total."
-    by_name, count = defaultdict(float), defaultdict(int)
-    for e in run.events:
-        if not is_device_kernel(e): continue
-        r = event_record(e)
-        by_name[r["name"][:100]] += (r["end_us"] - r["start_us"]) / calls
-        count[r["name"][:100]] += 1
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"total_us": sum(by_name.values()), "kernels": sum(count.values()) / calls,
-            "by_name": {k: {"us": v, "count": count[k] / calls} for k, v in rows}}
 
 
 def profile(res, args, device, dtype):
