@@ -78,7 +78,12 @@ VARIANTS = {
     "int4 tensor cores, 64x4": ("int4", {"BLOCK_N": 64, "num_warps": 4}, "dot"),
     "int4 (table now)": ("int4", NOW, None),                       # zero point in pairs, lanes by shift, swept
     "int8 (table now)": ("int8", NOW, None),                       # fp16 pairs, the 2-D tile, swept
+    # the input made as it loads (`KernelConfig.quant_made_input`): the norm before QKV and gate/up, SiLU x up
+    # before down (the output projection takes its input as it is: no row)
+    "int4 (table now), input made": ("int4", NOW, None),
+    "int8 (table now), input made": ("int8", NOW, None),
 }
+MADE = {"qkv": 1, "gate_up": 1, "down": 2}                             # IN: the norm (with a residual), SiLU x up
 SMOKE_ROWS = (("gate_up", "int8"), ("o", "int4 zero point in pairs"), ("o", "int4 pairs (shipped)"))
 REGS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32      # sm_90
 
@@ -247,6 +252,10 @@ def compiled(N: int, K: int, name: str, method: str, cfg: dict, gemm: bool, fork
     group = 128 if method == "int4" else None
     tile = None if VARIANTS[name][1] == NOW else 0     # the older variants read rows (the tiled layout came later)
     extra = {} if fork is None else {"kernel": pairs_fork_kernel, "extra": {"DOT": fork == "dot"}}
+    if name.endswith("input made"):
+        made = MADE[next(layer for layer, shape in LAYERS_7B.items() if shape == (N, K))]
+        row_w = triton.next_power_of_2(K // 2) if made == 1 else 1
+        extra = {"extra": {"IN": made, "HAS_RESIDUAL": made == 1, "ROW_W": row_w}}
     return compile_one_row(N, K, method, group, torch.bfloat16, cfg, pdl=True, gemm=gemm, tile=tile, **extra)
 
 
@@ -318,8 +327,9 @@ def main():
     if is_smoke(args):
         cases = [(*LAYERS_7B[layer], name) for layer, name in SMOKE_ROWS]
     else:
-        cases = [(N, K, name) for N, K in LAYERS_7B.values() for name in VARIANTS
-                 if VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in Q.quant_tables()["few_rows_gemm"]]
+        cases = [(N, K, name) for layer, (N, K) in LAYERS_7B.items() for name in VARIANTS
+                 if (VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in Q.quant_tables()["few_rows_gemm"])
+                 and (layer in MADE or not name.endswith("input made"))]
     rows = []
     for N, K, name in cases:
         rows.append(count(N, K, name)); show(rows[-1])

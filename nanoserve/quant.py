@@ -439,15 +439,21 @@ def _bits_value(bits):
 
 # %% ../nbs/08_quant.ipynb #bebd9007
 @triton.jit
+def _split_words(words, NW: tl.constexpr):
+    "A tile's `4 NW` int32 pairs ([NW, 4] or flat) as four int32 [NW]: element `4 j + i` goes to the i-th."
+    a, b = tl.split(tl.reshape(words, (NW, 2, 2)))      # [NW, 2, 2] -> a: elements 0, 2 (inputs 0-1, 4-5); b: 1, 3
+    r0, r2 = tl.split(a)
+    r1, r3 = tl.split(b)
+    return r0, r1, r2, r3
+
+
+@triton.jit
 def _x_words(x_ptr, base, NW: tl.constexpr):
     """x's bf16 bits read as int32 pairs, 8 inputs per j: element `base + 4 j + i` holds inputs 8 j + 2 i and
     8 j + 2 i + 1 -> four int32 [NW] (i = 0, 1, 2, 3)."""
     j = tl.arange(0, NW)
     xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + base + 4 * j[:, None] + tl.arange(0, 4)[None, :])  # [NW, 4]
-    a, b = tl.split(tl.reshape(xw, (NW, 2, 2)))         # [NW, 2, 2] -> a: elements 0, 2 (inputs 0-1, 4-5); b: 1, 3
-    r0, r2 = tl.split(a)
-    r1, r3 = tl.split(b)
-    return r0, r1, r2, r3
+    return _split_words(xw, NW)
 
 # %% ../nbs/08_quant.ipynb #d7c59b40
 @triton.jit
@@ -512,17 +518,14 @@ def _in_pair(w, r, nw, u, rstd, IN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
 
 # %% ../nbs/08_quant.ipynb #5f1a7c24
 @triton.jit
-def _gathered_words(x_ptr, perm_ptr, base, NW: tl.constexpr):
-    """`_x_words` of x's inputs in `perm`'s order (a GPTQ act-order layer's): input k is x[perm[k]], each bf16 value
-    gathered by its index and paired."""
-    w = base + 4 * tl.arange(0, NW)[:, None] + tl.arange(0, 4)[None, :]                 # [NW, 4] word indices
+def _gathered_words(x_ptr, perm_ptr, j):
+    """x's inputs in `perm`'s order (a GPTQ act-order layer's) as int32 pairs at word indices `j`: input k is
+    x[perm[k]], each bf16 value gathered by its index and paired."""
     xh = x_ptr.to(tl.pointer_type(tl.int16))
-    lo = tl.load(xh + tl.load(perm_ptr + 2 * w)).to(tl.int32) & 0xFFFF
-    hi = tl.load(xh + tl.load(perm_ptr + 2 * w + 1)).to(tl.int32) & 0xFFFF
-    a, b = tl.split(tl.reshape(lo | (hi << 16), (NW, 2, 2)))                             # as `_x_words` splits
-    r0, r2 = tl.split(a)
-    r1, r3 = tl.split(b)
-    return r0, r1, r2, r3
+    lo = tl.load(xh + tl.load(perm_ptr + 2 * j)).to(tl.int32) & 0xFFFF
+    hi = tl.load(xh + tl.load(perm_ptr + 2 * j + 1)).to(tl.int32) & 0xFFFF
+    return lo | (hi << 16)
+
 
 
 # %% ../nbs/08_quant.ipynb #5f1a7c14
@@ -530,23 +533,23 @@ def _gathered_words(x_ptr, perm_ptr, base, NW: tl.constexpr):
 def _in_words(x_ptr, base, NW: tl.constexpr, res_ptr, norm_w_ptr, perm_ptr, rstd, half_k, IN: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr):
     """`_x_words` of the product's inputs: x's own pairs (IN = 0), pairs made as they load (`_in_pair`: the norm,
-    IN = 1, or SiLU x up, IN = 2, the up projection `half_k` words after the gate), or gathered (IN = 3)."""
-    if IN == 3:
-        return _gathered_words(x_ptr, perm_ptr, base, NW)
-    w0, w1, w2, w3 = _x_words(x_ptr, base, NW)
+    IN = 1, or SiLU x up, IN = 2, the up projection `half_k` words after the gate), or gathered (IN = 3). Made or
+    gathered on the tile's words laid flat, so the program's threads share the work (each pair made once), then
+    split as the products take them."""
     if IN == 0:
-        return w0, w1, w2, w3
-    elif IN == 1:
-        n0, n1, n2, n3 = _x_words(norm_w_ptr, base, NW)
-        r0, r1, r2, r3 = w0, w1, w2, w3
+        return _x_words(x_ptr, base, NW)
+    j = base + tl.arange(0, 4 * NW)                                         # the tile's word indices, flat
+    if IN == 3:
+        return _split_words(_gathered_words(x_ptr, perm_ptr, j), NW)
+    w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + j)
+    if IN == 1:
+        r = w
         if HAS_RESIDUAL:
-            r0, r1, r2, r3 = _x_words(res_ptr, base, NW)
-        return (_in_pair(w0, r0, n0, w0, rstd, IN, HAS_RESIDUAL), _in_pair(w1, r1, n1, w1, rstd, IN, HAS_RESIDUAL),
-                _in_pair(w2, r2, n2, w2, rstd, IN, HAS_RESIDUAL), _in_pair(w3, r3, n3, w3, rstd, IN, HAS_RESIDUAL))
+            r = tl.load(res_ptr.to(tl.pointer_type(tl.int32)) + j)
+        made = _in_pair(w, r, tl.load(norm_w_ptr.to(tl.pointer_type(tl.int32)) + j), w, rstd, IN, HAS_RESIDUAL)
     else:
-        u0, u1, u2, u3 = _x_words(x_ptr, base + half_k, NW)
-        return (_in_pair(w0, w0, w0, u0, rstd, IN, False), _in_pair(w1, w1, w1, u1, rstd, IN, False),
-                _in_pair(w2, w2, w2, u2, rstd, IN, False), _in_pair(w3, w3, w3, u3, rstd, IN, False))
+        made = _in_pair(w, w, w, tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + half_k + j), rstd, IN, False)
+    return _split_words(made, NW)
 
 
 # %% ../nbs/08_quant.ipynb #5f1a7c05
