@@ -227,6 +227,22 @@ def saver(name: str, res: dict, args):
     return save
 
 
+# ---- compiled for sm_90 on the CPU (Triton's own ptxas, nvdisasm and cuobjdump; no GPU) ----------------------------
+def disassemble(cubin: bytes) -> tuple[str, dict]:
+    "nvdisasm's SASS (with source lines) and cuobjdump's resource usage (REG, SHARED, STACK, ...) of a cubin."
+    import re, subprocess
+    import triton
+    tools = Path(triton.__file__).parent / "backends/nvidia/bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin); f.flush()
+        sass = subprocess.run([tools / "nvdisasm", "-c", "-g", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    usage = {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", res)}
+    return sass, usage
+
+
 # ---- engines ---------------------------------------------------------------------------------------------------
 # after the environment above is set; names every tree the A/B of nanovllm_h200.py runs has (0f60b58's too)
 from nanoserve.bench import SHAPES, WorkloadSpec, make_workload, random_checkpoint, run_benchmark   # noqa: E402

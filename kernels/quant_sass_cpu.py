@@ -24,10 +24,10 @@ os.environ["TRITON_INTERPRET"] = "0"      # compile for sm_90, never interpret: 
 import nanoserve.quant as Q               # noqa: E402  (before lab, which turns the interpreter on under --smoke)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import is_smoke, parser, write   # noqa: E402
+from lab import disassemble, is_smoke, parser, write   # noqa: E402
 os.environ["TRITON_INTERPRET"] = "0"      # (lab's --smoke switch is for scripts that run kernels)
 
-import csv, re, subprocess, tempfile      # noqa: E402
+import csv, re                            # noqa: E402
 from collections import Counter           # noqa: E402
 
 import torch                              # noqa: E402
@@ -37,7 +37,6 @@ import triton.language as tl              # noqa: E402
 from nanoserve.quant import _dequant_words, _qw_col, _qw_rows, compile_one_row, gemm_launch, gemv_launch  # noqa: E402
 from nanoserve.runtime import finish_split, pdl_launch_next, pdl_wait, sum_last                          # noqa: E402
 
-BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 NCU_CSV = Path(__file__).resolve().parent.parent / "figures/data/quant_ncu_h200.csv"
 LAYERS_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 # The one-row table the variants are counted over (before the sweeps that found the shipped one: the INT8 gate/up
@@ -173,17 +172,6 @@ def pairs_fork_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 
 
 # ---- disassembly -------------------------------------------------------------------------------------------------
-def disassemble(cubin: bytes) -> tuple[str, dict]:
-    "nvdisasm's SASS (with source lines) and cuobjdump's resource usage (REG, SHARED, ...) of a cubin."
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin); f.flush()
-        sass = subprocess.run([BIN / "nvdisasm", "-c", "-g", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([BIN / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    usage = {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", res)}
-    return sass, usage
-
-
 def instructions(sass: str) -> tuple[list[tuple[int, str, str, str]], dict[str, int]]:
     "SASS -> [(address, opcode, source 'file:line', text)], and each label's address."
     ins, labels, pending, src = [], {}, [], "?"
