@@ -998,7 +998,8 @@ class DraftModel:
         self.engine = LLM(model_dir, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
                           block_size=bs, max_model_len=max_len, max_num_seqs=seqs,
                           num_kv_blocks=min(target.num_kv_blocks, seqs * num_blocks) + seqs,
-                          enable_prefix_caching=True, enforce_eager=not target.use_cuda_graphs)
+                          enable_prefix_caching=True, enforce_eager=not target.use_cuda_graphs,
+                          num_threads=target.engine_config.load.num_threads)   # (a CPU's threads: the target's)
         if self.engine.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft model {model_dir}: its tokenizer is not the target's ({target.model_dir})")
         self.vocab_size = target.config.vocab_size

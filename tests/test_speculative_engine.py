@@ -246,9 +246,17 @@ def test_the_target_as_its_own_draft_keeps_its_drafts():
     assert llm.num_draft_tokens > 50 and llm.num_accepted_tokens >= 0.9 * llm.num_draft_tokens
 
 
-def test_draft_model_drafts_within_its_context():
-    "The draft engine shares the target's context length; a sequence that fills it gets no drafts, one near it fewer."
-    llm = LLM(MODEL, dtype="float32", num_kv_blocks=8, max_model_len=64, speculative=SpeculativeConfig("draft"))
+def test_draft_model_drafts_within_its_context(monkeypatch):
+    """The draft engine shares the target's context length; a sequence that fills it gets no drafts, one near it fewer.
+    It keeps the target's CPU threads (without OMP_NUM_THREADS an engine would pick half the cores)."""
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        llm = LLM(MODEL, dtype="float32", num_kv_blocks=8, max_model_len=64, speculative=SpeculativeConfig("draft"),
+                  num_threads=2)
+        assert torch.get_num_threads() == 2                                   # the draft kept the target's threads
+    finally:
+        torch.set_num_threads(threads)
     d = llm.drafter
     assert d.engine.max_model_len == 64 and d.engine.block_size == llm.block_size
     assert d.propose({1: (list(range(5, 69)), 4)}) == {}                      # 64 tokens: the context is full
