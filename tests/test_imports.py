@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,23 @@ def test_import_checker_catches_offenders():
            "from . import model\nfrom .kernels import attention\n")
     assert sorted(disallowed(src)) == [(4, "numpy"), (6, "torch.nn"), (7, "transformers"), (8, "nanoserve"),
                                        (9, "nanoserve.kernels")]
+
+
+def package_imports(source: str) -> set[str]:
+    "The package's modules a module's source imports at its top level (not inside functions: those load lazily)."
+    tree = ast.parse(source)
+    return {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+
+
+def test_the_course_table_lists_every_modules_imports():
+    """The index's table of how the layers depend on each other (README.md is made from it) says what each module
+    imports from the package at its top level, and each import is of a module listed before it: the reading order."""
+    index = json.loads((ROOT / "nbs" / "index.ipynb").read_text())
+    text = "".join(line for c in index["cells"] if c["cell_type"] == "markdown" for line in c["source"])
+    rows = re.findall(r"^\| `(\w+)` \| (.*) \|$", text, flags=re.M)
+    assert len(rows) > 20, "the table is gone from the index"
+    listed = [m for m, _ in rows]
+    for i, (module, deps) in enumerate(rows):
+        said = set(re.findall(r"`(\w+)`", deps))
+        assert said == package_imports((ROOT / "nanoserve" / f"{module}.py").read_text()), module
+        assert said <= set(listed[:i]), f"{module} imports a later chapter: {sorted(said - set(listed[:i]))}"
