@@ -18,7 +18,7 @@ Importing this module with `--smoke` on the command line sets TRITON_INTERPRET=1
 (CUDA_VISIBLE_DEVICES=""): both must happen before torch or the package is imported, which is why scripts import
 `lab` first. That is the lab's job, not the package's: the package reads TRITON_INTERPRET and never writes it.
 """
-import argparse, json, os, random, statistics, sys, tempfile, time
+import argparse, json, os, random, re, statistics, sys, tempfile, time
 from pathlib import Path
 
 SMOKE_ARGV = "--smoke" in sys.argv[1:]
@@ -230,7 +230,7 @@ def saver(name: str, res: dict, args):
 # ---- compiled for sm_90 on the CPU (Triton's own ptxas, nvdisasm and cuobjdump; no GPU) ----------------------------
 def disassemble(cubin: bytes) -> tuple[str, dict]:
     "nvdisasm's SASS (with source lines) and cuobjdump's resource usage (REG, SHARED, STACK, ...) of a cubin."
-    import re, subprocess
+    import subprocess
     import triton
     tools = Path(triton.__file__).parent / "backends/nvidia/bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -241,6 +241,34 @@ def disassemble(cubin: bytes) -> tuple[str, dict]:
                              check=True).stdout
     usage = {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", res)}
     return sass, usage
+
+
+def instructions(sass: str) -> tuple[list[tuple[int, str, str, str]], dict[str, int]]:
+    "SASS -> [(address, opcode, source 'file:line', text)], and each label's address."
+    ins, labels, pending, src = [], {}, [], "?"
+    for line in sass.splitlines():
+        if m := re.match(r"\s*//## File \"(.*?)\", line (\d+)", line):
+            src = f"{Path(m.group(1)).name}:{m.group(2)}"
+        elif m := re.match(r"^(\.L_x_\d+):", line.strip()):
+            pending.append(m.group(1))
+        elif m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            addr, text = int(m.group(1), 16), m.group(2).strip()
+            for lab in pending: labels[lab] = addr
+            pending = []
+            ins.append((addr, re.sub(r"^@!?U?P\w+\s+", "", text).split()[0], src, text))
+    return ins, labels
+
+
+def main_loop(sass: str) -> tuple[list, list]:
+    "(the largest loop's instructions, all instructions): a loop is the range of a branch to an earlier label."
+    ins, labels = instructions(sass)
+    best = []
+    for addr, op, _, text in ins:
+        t = re.search(r"`\((\.L_x_\d+)\)", text)
+        if op.startswith("BRA") and t and labels[t.group(1)] < addr:
+            body = [i for i in ins if labels[t.group(1)] <= i[0] <= addr]
+            if len(body) > len(best): best = body
+    return best, ins
 
 
 # ---- engines ---------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ os.environ["TRITON_INTERPRET"] = "0"      # compile for sm_90, never interpret: 
 import nanoserve.quant as Q               # noqa: E402  (before lab, which turns the interpreter on under --smoke)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lab import disassemble, is_smoke, parser, write   # noqa: E402
+from lab import disassemble, instructions, is_smoke, main_loop, parser, write   # noqa: E402
 os.environ["TRITON_INTERPRET"] = "0"      # (lab's --smoke switch is for scripts that run kernels)
 
 import csv, re                            # noqa: E402
@@ -172,34 +172,6 @@ def pairs_fork_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_p
 
 
 # ---- disassembly -------------------------------------------------------------------------------------------------
-def instructions(sass: str) -> tuple[list[tuple[int, str, str, str]], dict[str, int]]:
-    "SASS -> [(address, opcode, source 'file:line', text)], and each label's address."
-    ins, labels, pending, src = [], {}, [], "?"
-    for line in sass.splitlines():
-        if m := re.match(r"\s*//## File \"(.*?)\", line (\d+)", line):
-            src = f"{Path(m.group(1)).name}:{m.group(2)}"
-        elif m := re.match(r"^(\.L_x_\d+):", line.strip()):
-            pending.append(m.group(1))
-        elif m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
-            addr, text = int(m.group(1), 16), m.group(2).strip()
-            for lab in pending: labels[lab] = addr
-            pending = []
-            ins.append((addr, re.sub(r"^@!?U?P\w+\s+", "", text).split()[0], src, text))
-    return ins, labels
-
-
-def main_loop(sass: str) -> tuple[list, list]:
-    "(the largest loop's instructions, all instructions): a loop is the range of a branch to an earlier label."
-    ins, labels = instructions(sass)
-    best = []
-    for addr, op, _, text in ins:
-        t = re.search(r"`\((\.L_x_\d+)\)", text)
-        if op.startswith("BRA") and t and labels[t.group(1)] < addr:
-            body = [i for i in ins if labels[t.group(1)] <= i[0] <= addr]
-            if len(body) > len(best): best = body
-    return best, ins
-
-
 def family(op: str) -> str: return op.split(".")[0]
 
 

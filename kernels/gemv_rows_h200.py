@@ -1,0 +1,224 @@
+"""A GEMV over 1-8 rows (`gemv_rows`: the fused-kernels chapter's `gemv` loop with each weight tile multiplied into
+every row) against what the engine runs at those rows now: cuBLAS (`F.linear`; for the down projection `silu_mul`
+first), and at one row `gemv` itself. A lead for speculative verify steps (a verify row of 1 + k is k + 1 rows of one
+sequence) and decode steps of 2-8 sequences, bound by reading the weights like one row.
+
+    PYTHONPATH=. python kernels/gemv_rows_h200.py --out figures/data [--parts count,check,time] [--rows 1,2,5,8]
+
+Parts, in the tutorials' order:
+- count: each layer of the 0.5B and 7B shapes at each row count compiled for sm_90 (Triton's own ptxas; runs on any
+  machine, no GPU needed): registers a thread, stack bytes (spills), the main loop's instructions per weight;
+  beside them `gemv` at one row.
+`gemv_rows_kernel` keeps `[BLOCK_M, BLOCK_N, BLOCK_K]` fp32 sums (BLOCK_M = the rows rounded up to a power of two,
+BLOCK_M x BLOCK_K = 512, so the sums take the registers one row's 512-wide tile would), reduced once after the loop;
+SiLU x up made as the inputs load; split-K merged by the last split (`finish_split`), as `gemv`.
+- check: `gemv_rows` in bf16 against the torch product of the same rows (`lab.rel_err` under 2%; a wrong one stops
+  the run).
+- time: µs a call, `lab.graph_bench` (CUDA graphs over copies of the weights that overflow L2, two passes, flagged
+  when they disagree by more than 15%), `gemv_rows` and cuBLAS interleaved per case, `gemv` at one row beside them.
+The speculative chapter's notes predict the 7B verify step from these: a verify row of 1 + 4 is 5 rows.
+`--smoke`: fp32, one tiny layer, under the interpreter (check and time; count needs the compiler).
+"""
+import sys; from pathlib import Path
+sys.path.insert(0, str(Path(__file__).parent))      # the only sys.path use in the lab
+from lab import (device_or_skip, disagree, disassemble, graph_bench, is_smoke, main_loop, median, parser,  # noqa: E402
+                 rel_err, run_parts, saver)
+
+import torch                                                                             # noqa: E402
+import torch.nn.functional as F                                                          # noqa: E402
+import triton                                                                            # noqa: E402
+import triton.language as tl                                                             # noqa: E402
+
+from nanoserve.fused import _gemv_weights, gemv, gemv_config, gemv_rule, silu_mul        # noqa: E402
+from nanoserve.runtime import (finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,  # noqa: E402
+                               split_counters, sum_last)
+
+NAME = "gemv_rows_h200.json"
+LAYERS = {"0.5B": {"qkv_proj": (1152, 896, False), "o_proj": (896, 896, False), "gate_up_proj": (9728, 896, False),
+                   "down_proj": (896, 4864, True)},
+          "7B": {"qkv_proj": (4608, 3584, False), "o_proj": (3584, 3584, False), "gate_up_proj": (37888, 3584, False),
+                 "down_proj": (3584, 18944, True)}}
+SMOKE_LAYERS = {"tiny": {"down_proj": (64, 256, True)}}
+
+
+@triton.jit
+def _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT: tl.constexpr):
+    """The `[BLOCK_M, BLOCK_K]` inputs of rows `offs_m` in fp32 (zeros past M and K); with `ACT`, silu(gate) * up of
+    the `[M, 2K]` rows, rounded as `silu_mul` rounds."""
+    mask = (offs_m < M)[:, None] & (kk < K)[None, :]
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT:                                   # x is the gate
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+@triton.jit
+def gemv_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, tiles_per_split, stride_xm,
+                     stride_wn, stride_om, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
+    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
+    w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
+    pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
+    acc = _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT)[:, None, :] * w[None, :, :]   # [BM, BN, BK]
+    for t in range(t_begin + 1, t_end):
+        kk = t * BLOCK_K + k
+        acc += (_rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT)[:, None, :]
+                * _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)[None, :, :])
+    finish_split(sum_last(acc, 2), bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
+                 pid_k, tl.num_programs(1), HAS_BIAS, SPLIT)
+
+GEMV_MAX_ROWS = 8                                # rows `gemv_rows` takes (beyond: a GEMM's tiles)
+
+
+def gemv_rows_config(M: int, N: int, K: int, sms: int, config: dict | None = None) -> dict:
+    "`gemv_rule`'s blocks and split with `BLOCK_M` = M rounded up to a power of two and `BLOCK_M x BLOCK_K` = 512."
+    block_m = triton.next_power_of_2(M)
+    return {**gemv_rule(N, K, sms, {"BLOCK_K": max(64, 512 // block_m), **(config or {})}), "BLOCK_M": block_m}
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
+              config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    "`x` [M, K] (M <= `GEMV_MAX_ROWS`) @ `weight`.T [N, K] (+ `bias`) -> [M, N]; with `act`, x is [M, 2K] (as `gemv`)."
+    (M, width), (N, K) = x.shape, weight.shape
+    if not 1 <= M <= GEMV_MAX_ROWS or width != (2 * K if act else K):
+        raise ValueError(f"gemv_rows: expected x of shape (1..{GEMV_MAX_ROWS}, {2 * K if act else K}), "
+                         f"got {tuple(x.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("gemv_rows: x and weight must be contiguous along K")
+    cfg = gemv_rows_config(M, N, K, num_sms(x.device), config)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    split, n_tiles = cfg["SPLIT_K"] > 1, triton.cdiv(N, cfg["BLOCK_N"])
+    part = torch.empty(cfg["SPLIT_K"], M, N, dtype=torch.float32, device=x.device) if split else out   # [S, M, N]
+    counters = split_counters(x.device, n_tiles) if split else out
+    gemv_rows_kernel[(n_tiles, cfg["SPLIT_K"])](
+        x, weight, bias if bias is not None else weight, out, part, counters, M, N, K, cfg["tiles_per_split"],
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
+    return out
+
+
+def layers(args) -> list[tuple]:
+    "(shape, layer, N, K, act) of every case."
+    return [(s, name, *v) for s, ls in (SMOKE_LAYERS if is_smoke(args) else LAYERS).items() for name, v in ls.items()]
+
+
+def compile_rows(M: int, N: int, K: int, act: bool):
+    "`gemv_rows_kernel` as `gemv_rows` would launch it in bf16 (M rows; one row: `gemv_kernel`), compiled for sm_90."
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import nanoserve.fused as Fu
+    rows = M > 1
+    cfg = gemv_rows_config(M, N, K, 132) if rows else gemv_config(N, K, 132)
+    kernel = gemv_rows_kernel if rows else Fu.gemv_kernel
+    split = cfg["SPLIT_K"] > 1
+    consts = dict(HAS_BIAS=False, ACT=act, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+                  EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=True)
+    consts.update(BLOCK_M=cfg["BLOCK_M"]) if rows else consts.update(NORM=False, HAS_RESIDUAL=False, ROW=1,
+                                                                        HAS_SCALE=False)
+    sig, cst = {}, {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in consts: sig[n] = "constexpr"; cst[(i,)] = consts[n]
+        elif n.endswith("_ptr"): sig[n] = "*fp32" if n == "part_ptr" else ("*i32" if n == "counter_ptr" else "*bf16")
+        else: sig[n] = "fp32" if n == "eps" else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=cst)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}), cfg
+
+
+def count(res, args) -> None:
+    rows_out = res.setdefault("count", [])
+    for shape, name, N, K, act in layers(args):
+        for M in args.rows:
+            compiled, cfg = compile_rows(M, N, K, act)
+            sass, usage = disassemble(compiled.asm["cubin"])
+            loop, _ = main_loop(sass)
+            per_trip = cfg.get("BLOCK_M", 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] // (32 * cfg["num_warps"])
+            row = {"shape": shape, "layer": name, "N": N, "K": K, "rows": M,
+                   "kernel": "gemv_rows" if M > 1 else "gemv",
+                   "config": {k: cfg.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")},
+                   "registers": usage["REG"], "stack_bytes": usage.get("STACK", 0),
+                   "loop_instructions": len(loop), "products_per_thread_per_trip": per_trip,
+                   "loop_instructions_per_weight": len(loop) * cfg.get("BLOCK_M", 1) / per_trip}
+            rows_out.append(row)
+            print(f"{shape} {name} x{M}: {row['registers']} registers, {row['stack_bytes']} B stack, "
+                  f"{row['loop_instructions_per_weight']:.2f} loop instructions a weight", flush=True)
+
+
+def operands(N: int, K: int, M: int, act: bool, device, dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * 0.02).to(device=device, dtype=dtype)
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(device=device, dtype=dtype)
+    return x, w
+
+
+def cublas(x, w, act):
+    "What the engine runs at 2-8 rows now: `silu_mul` (the down projection) and cuBLAS's product."
+    return F.linear(silu_mul(x) if act else x, w)
+
+
+def check(res, args, device, dtype) -> None:
+    out = res.setdefault("check", [])
+    x, w = operands(40, 96, 3, False, device, torch.float32)                  # fits no block: masked tails
+    assert rel_err(gemv_rows(x, w, config={"BLOCK_N": 16, "SPLIT_K": 3}), F.linear(x, w)) < 1e-5
+    for shape, name, N, K, act in layers(args):
+        for M in args.rows:
+            x, w = operands(N, K, M, act, device, dtype)
+            err = rel_err(gemv_rows(x, w, act=act), cublas(x, w, act))
+            out.append({"shape": shape, "layer": name, "rows": M, "rel_err": err})
+            assert err < 0.02, (shape, name, M, err)
+    print("check:", max(r["rel_err"] for r in out), "largest relative error", flush=True)
+
+
+def time_rows(res, args, device, dtype) -> None:
+    out = res.setdefault("time", [])
+    for shape, name, N, K, act in layers(args):
+        nbytes = N * K * torch.finfo(dtype).bits // 8
+        for M in args.rows:
+            x, w = operands(N, K, M, act, device, dtype)
+            calls = {"gemv_rows": lambda i, x=x, w=w: (lambda: gemv_rows(x, w, act=act)),
+                     "cuBLAS": lambda i, x=x, w=w: (lambda: cublas(x, w, act))}
+            if M == 1: calls["gemv"] = lambda i, x=x, w=w: (lambda: gemv(x, w, act=act))
+            us = {k: graph_bench(c, nbytes, device=device) for k, c in calls.items()}
+            flagged = any(disagree(*v) for v in us.values() if len(v) > 1)
+            row = {"shape": shape, "layer": name, "rows": M, "us": us, "disagree": flagged,
+                   "rows_over_cublas": median(us["gemv_rows"]) / median(us["cuBLAS"])}
+            out.append(row)
+            print(f"{shape} {name} x{M}: gemv_rows {median(us['gemv_rows']):.1f} us, "
+                  f"cuBLAS {median(us['cuBLAS']):.1f}"
+                  + (f", gemv {median(us['gemv']):.1f}" if M == 1 else "") + f" ({row['rows_over_cublas']:.2f}x)",
+                  flush=True)
+
+
+def main():
+    ap = parser(__doc__, parts="count,check,time")
+    ap.add_argument("--rows", default="1,2,3,5,8", help="row counts, comma-separated (1-8)")
+    args = ap.parse_args()
+    args.rows = [int(r) for r in args.rows.split(",")]
+    smoke = is_smoke(args)
+    parts_asked = set(args.parts.split(","))
+    if smoke:                                   # under the interpreter there is no compiler to count with
+        parts_asked.discard("count")
+        args.parts = ",".join(p for p in args.parts.split(",") if p != "count")
+    device = torch.device("cpu") if parts_asked == {"count"} else device_or_skip(args)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    res = {"what": "gemv_rows against cuBLAS (and gemv at one row), bf16"}
+    parts = {"count": lambda: count(res, args), "check": lambda: check(res, args, device, dtype),
+             "time": lambda: time_rows(res, args, device, dtype)}
+    run_parts(parts, args.parts, saver(NAME, res, args))
+
+
+if __name__ == "__main__":
+    main()
