@@ -43,12 +43,14 @@ def test_heldout_perplexity_is_far_below_a_random_models():
     assert ppl_random > 1000 and ppl_trained < ppl_random / 50
 
 
-def test_the_training_cell_is_never_run_by_ci():
-    "nbdev_test skips `#| eval: false`; nbval skips `# NBVAL_SKIP` (nbdev_clean strips cell tags, so a tag is not enough)."
+def test_the_training_cells_are_never_run_by_ci():
+    """The tiny model's run and its draft's: nbdev_test skips `#| eval: false`; nbval skips `# NBVAL_SKIP` (nbdev_clean
+    strips cell tags, so a tag is not enough)."""
     import json
     from pathlib import Path
     nb = json.loads((Path(__file__).resolve().parents[1] / "nbs" / "04_train_tiny.ipynb").read_text())
     training = [c for c in nb["cells"] if c["cell_type"] == "code" and "history = train(" in "".join(c["source"])]
-    assert len(training) == 1
-    lines = [l.strip() for l in "".join(training[0]["source"]).splitlines()]
-    assert "#| eval: false" in lines and "# NBVAL_SKIP" in lines
+    assert len(training) == 2 and "teacher=" in "".join(training[1]["source"])     # the model, then its draft
+    for cell in training:
+        lines = [l.strip() for l in "".join(cell["source"]).splitlines()]
+        assert "#| eval: false" in lines and "# NBVAL_SKIP" in lines
