@@ -85,7 +85,8 @@ def engines(args, device, G: int) -> dict:
     kw = dict(dtype="float32" if is_smoke(args) else "bfloat16", device=device.type,
               max_num_seqs=max(int(b) for b in args.batches.split(",")), num_kv_blocks=512,
               quant_made_input=args.made_input)
-    out = {"int4 (ours)": LLM(src, quantization="int4", quant_group_size=G, **kw)}
+    out = {"int4 (ours)": LLM(src, quantization="int4", quant_group_size=G, quantize_lm_head=False, **kw)}   # like for
+    # like: a checkpoint's LM head stays in bf16
     root = Path(args.work) / f"{src.name}-g{G}"
     for name, (fmt, act) in FORMATS.items():
         out[name] = LLM(write_format(src, root / name.replace(" ", "-"), fmt, act, G, device), **kw)

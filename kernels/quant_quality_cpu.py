@@ -35,7 +35,8 @@ from nanoserve.tokenizer import default_model
 from nanoserve.train import heldout_rows
 
 TINY_CONFIGS = [("int8", None, False), ("int4", 16, False), ("int4", 8, False), ("fp8", None, False),
-                ("int8", None, True), ("int4", 16, True), ("fp8", None, True)]
+                ("int8", None, True), ("int4", 16, True), ("fp8", None, True),
+                ("int4", 16, "int8")]                  # an INT4 model with its LM head (the tied table) in INT8
 BIG_CONFIGS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("fp8", None)]
 KV_CACHES = (("kv_fp8", torch.float8_e4m3fn), ("kv_int8", torch.int8))   # one-byte caches, the weights full precision
 FP8_WEIGHTS = (("fp8 128x128", (128, 128)), ("fp8 tensor", None))     # fp8 checkpoints' weight scales
@@ -162,6 +163,7 @@ def check(tiny: dict, big: dict) -> None:
     weights are closer than INT4 in groups of 32."""
     t = {(r["method"], r["group_size"], r["lm_head"]): r for r in tiny["results"]}
     assert t[("int8", None, False)]["logit_rel_err"] < t[("int4", 16, False)]["logit_rel_err"]
+    assert t[("int4", 16, "int8")]["kl_mean"] < t[("int4", 16, True)]["kl_mean"]       # the INT8 head: less error
     b = {(r["method"], r["group_size"]): r for r in big["results"]}
     assert b[("int8", None)]["logit_rel_err"] < b[("int4", 32)]["logit_rel_err"] < b[("int4", 128)]["logit_rel_err"]
     assert all(b[(m, None)]["logit_rel_err"] < b[("int4", 32)]["logit_rel_err"] for m, _ in FP8_WEIGHTS)

@@ -190,7 +190,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
                    help="int8/int4 weight-only, or fp8 weights and activations")
     g.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale (must divide every layer)")
-    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
+    g.add_argument("--quantize-lm-head", nargs="?", const=True, default=None, metavar="FORMAT",
+                   help="the LM head (and a tied embedding): in --quantization's format (no FORMAT), in FORMAT "
+                        "(int8, int4, fp8), or none; default: int8 for int8 and int4 models, none for fp8")
     g.set_defaults(func=cmd_generate)
 
 # %% ../nbs/90_cli.ipynb #4ae81094

@@ -153,7 +153,8 @@ def config_line(c: EngineConfig) -> str:
 
 # %% ../nbs/12_engine.ipynb #30a8534b
 _ALIASES = {"enforce_eager": ("kernels", "cuda_graphs", lambda v: not v), "quantization": ("quant", "method", None),
-            "quant_group_size": ("quant", "group_size", None)}
+            "quant_group_size": ("quant", "group_size", None),
+            "quantize_lm_head": ("quant", "quantize_lm_head", lambda v: False if v == "none" else v)}   # a command line's
 _FIELDS = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
 _TOP = ("show_progress", "freeze_gc", "speculative")
 

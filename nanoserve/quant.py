@@ -34,21 +34,21 @@ QUANTIZATIONS = METHODS + ("fp8",)      # and W8A8 in e4m3 on the fp8 tensor cor
 
 # %% auto #0
 __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 'X_SCALE',
-           'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'QUANT_TARGETS', 'AWQ_ORDER', 'FUSED_PROJECTIONS', 'QuantConfig',
-           'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_values', 'int4_rows',
-           'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'quantize_fp8', 'dequantize_fp8',
-           'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8', 'fp8_matmul_ref', 'fp8_scaled_mm',
-           'fp8_matmul', 'add_rmsnorm_fp8_kernel', 'add_rmsnorm_fp8', 'silu_mul_fp8_kernel', 'silu_mul_fp8',
-           'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel', 'quant_tables',
-           'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path', 'gemm_config',
-           'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16', 'quant_matmul',
-           'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'Fp8Linear', 'int4_linear',
-           'weight_bytes', 'QuantEmbedding', 'QuantReport', 'quantize_model', 'CheckpointQuant', 'fp8_format',
-           'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors',
-           'gptq8_quantize', 'add_rmsnorm_gather_kernel', 'add_rmsnorm_gather', 'add_rmsnorm_gather_ref',
-           'checkpoint_layer', 'fused_quant_linear', 'fold_input_order', 'load_quantized_model',
-           'read_checkpoint_quant', 'write_quantized', 'gptq_dense', 'gptq8_state_dict', 'fp8_dequantize',
-           'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality',
+           'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'QUANT_TARGETS', 'DEFAULT_LM_HEAD', 'AWQ_ORDER', 'FUSED_PROJECTIONS',
+           'QuantConfig', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_values',
+           'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'quantize_fp8',
+           'dequantize_fp8', 'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8', 'fp8_matmul_ref',
+           'fp8_scaled_mm', 'fp8_matmul', 'add_rmsnorm_fp8_kernel', 'add_rmsnorm_fp8', 'silu_mul_fp8_kernel',
+           'silu_mul_fp8', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel',
+           'quant_tables', 'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path',
+           'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16',
+           'quant_matmul', 'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'Fp8Linear',
+           'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'lm_head_method', 'quantize_model',
+           'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4',
+           'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'add_rmsnorm_gather_kernel', 'add_rmsnorm_gather',
+           'add_rmsnorm_gather_ref', 'checkpoint_layer', 'fused_quant_linear', 'fold_input_order',
+           'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense', 'gptq8_state_dict',
+           'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality',
            'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
@@ -57,7 +57,9 @@ class QuantConfig:
     "Quantization of a model: `method` None (no quantization) or one of `QUANTIZATIONS`."
     method: str | None = None
     group_size: int = 128            # INT4: inputs that share a scale and a zero point
-    quantize_lm_head: bool = False   # the LM head (and a tied input embedding) quantized too
+    quantize_lm_head: bool | str | None = None   # the LM head (and a tied input embedding): None the package's
+                                                 # choice (`DEFAULT_LM_HEAD`), True in `method`'s format, False not
+                                                 # quantized, or a format of its own ("int8")
 
     def __post_init__(self):
         if self.method is not None and self.method not in QUANTIZATIONS:
@@ -65,8 +67,11 @@ class QuantConfig:
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
             raise ValueError(f"group_size must be an even integer >= 2, got {g!r}")
-        if not isinstance(self.quantize_lm_head, bool):
-            raise ValueError(f"quantize_lm_head must be a bool, got {self.quantize_lm_head!r}")
+        if not isinstance(self.quantize_lm_head, bool) and self.quantize_lm_head not in (None,) + QUANTIZATIONS:
+            raise ValueError(f"quantize_lm_head must be None, a bool or one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantize_lm_head!r}")
+        if self.quantize_lm_head and self.method is None:
+            raise ValueError("quantize_lm_head needs a quantization method (the model's layers stay as they are)")
 
 # %% ../nbs/08_quant.ipynb #b75d9eb7
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1545,6 +1550,7 @@ class QuantReport:
     weight_bytes_after: int
     num_replaced: int                # linear modules replaced (4 per decoder layer, + 1 with the LM head)
     lm_head_quantized: bool = False
+    lm_head_method: str | None = None    # the LM head's format, when quantized
 
     @property
     def saved_bytes(self) -> int: return self.weight_bytes_before - self.weight_bytes_after
@@ -1558,22 +1564,36 @@ def _check_fp8(name: str, N: int, K: int, device: torch.device) -> None:
                          f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
 
 
-def _check_sizes(model: nn.Module, targets: list, method: str, group_size: int, quantize_lm_head: bool) -> None:
-    "Raise unless every target layer (and the LM head, if asked) takes `method`; warn where INT4 falls back to torch."
+DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8", "fp8": None}   # the quality section: an INT8 head costs INT4 models
+                                                                  # almost nothing; fp8 models keep theirs
+
+
+def lm_head_method(method: str, quantize_lm_head: bool | str | None) -> str | None:
+    """The LM head's format: None (full precision); `DEFAULT_LM_HEAD`'s (`quantize_lm_head` None), the body's
+    `method` (True), or the format `quantize_lm_head` names."""
+    if quantize_lm_head is None: return DEFAULT_LM_HEAD[method]
+    return method if quantize_lm_head is True else (quantize_lm_head or None)
+
+
+def _check_sizes(model: nn.Module, targets: list, method: str, group_size: int, head: str | None) -> None:
+    "Raise unless every target layer (and the LM head, in format `head`) takes its format; warn where INT4 falls back."
     cfg, lins = model.config, [(name, lin) for name, _, _, lin in targets]
-    if method == "fp8":
-        for name, lin in lins: _check_fp8(name, lin.out_features, lin.in_features, lin.weight.device)
-        if quantize_lm_head: _check_fp8("lm_head", cfg.vocab_size, cfg.hidden_size, lins[0][1].weight.device)
-    if method != "int4": return
-    for name, lin in lins: _check_group(lin.in_features, group_size, name)
-    if quantize_lm_head: _check_group(cfg.hidden_size, group_size, "lm_head")
-    if any(lin.weight.is_cuda for _, lin in lins) and not kernels_support(method, group_size):
+    device = lins[0][1].weight.device
+    layers = [(name, lin.out_features, lin.in_features, method) for name, lin in lins]
+    if head: layers.append(("lm_head", cfg.vocab_size, cfg.hidden_size, head))
+    for name, N, K, m in layers:
+        if m == "fp8": _check_fp8(name, N, K, device)
+        elif m == "int4": _check_group(K, group_size, name)
+    if device.type == "cuda" and "int4" in (method, head) and not kernels_support("int4", group_size):
         warnings.warn(f"int4 group_size {group_size} is not a multiple of 32: the Triton kernels cannot run it, "
                       "these layers will dequantize the whole weight on every call")
 
+
 # %% ../nbs/08_quant.ipynb #fe698bd5
-def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantize_lm_head: bool = False) -> QuantReport:
-    "Replace every decoder layer's linear layers (and optionally the LM head) of `model` in place by `QuantLinear`."
+def quantize_model(model: nn.Module, method: str, group_size: int = 128,
+                   quantize_lm_head: bool | str = False) -> QuantReport:
+    """Replace every decoder layer's linear layers (and optionally the LM head: in `method`'s format, or in the one
+    `quantize_lm_head` names) of `model` in place by `QuantLinear`."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
     if method == "int4" and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2
@@ -1589,29 +1609,31 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128, quantiz
             if isinstance(lin, QuantLinear): raise ValueError(f"{name} is already quantized ({lin.method})")
             if not isinstance(lin, nn.Linear): raise ValueError(f"{name} is a {type(lin).__name__}, not nn.Linear")
             targets.append((name, parent, attr, lin))
+    QuantConfig(method, group_size if method == "int4" else 128, quantize_lm_head)   # the head's format checked too
+    head_method = lm_head_method(method, quantize_lm_head)
     tied = getattr(model, "lm_head", None) is None
-    if quantize_lm_head:
+    if head_method:
         head = model.embed_tokens if tied else model.lm_head
         if not isinstance(head, (nn.Embedding, nn.Linear)): raise ValueError("the LM head is already quantized")
-    _check_sizes(model, targets, method, group_size, quantize_lm_head)     # every size, before changing anything
+    _check_sizes(model, targets, method, group_size, head_method)     # every size, before changing anything
     before, num_replaced = weight_bytes(model), len(targets)
     while targets:
         name, parent, attr, lin = targets.pop(0)
         setattr(parent, attr, QuantLinear.from_linear(lin, method, group_size, name))
         del lin                                                              # its full-precision weight goes now
-    if quantize_lm_head:
+    if head_method:
         if tied:
             emb = model.embed_tokens
-            table = QuantLinear.from_linear(_as_linear(emb.weight), method, group_size, "lm_head")
+            table = QuantLinear.from_linear(_as_linear(emb.weight), head_method, group_size, "lm_head")
             model.embed_tokens = QuantEmbedding(table, emb.weight.dtype)
             del emb
         else:
-            table = QuantLinear.from_linear(model.lm_head, method, group_size, "lm_head")
+            table = QuantLinear.from_linear(model.lm_head, head_method, group_size, "lm_head")
             model.lm_head = table
         model.quant_lm_head = table
         model.compute_logits = types.MethodType(_quant_compute_logits, model)
     return QuantReport(method, group_size if method == "int4" else None, before, weight_bytes(model),
-                       num_replaced + bool(quantize_lm_head), bool(quantize_lm_head))
+                       num_replaced + bool(head_method), bool(head_method), head_method)
 
 # %% ../nbs/08_quant.ipynb #7e9fe89c
 @dataclass(frozen=True)

@@ -1558,7 +1558,9 @@ def _engine_args(e) -> None:
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="the K/V cache's dtype (auto: the model's; fp8: e4m3; int8: a scale a row; ~2x the blocks)")
     e.add_argument("--quant-group-size", type=int, default=128, help="int4: weights per scale along the input")
-    e.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head (and a tied embedding) too")
+    e.add_argument("--quantize-lm-head", nargs="?", const=True, default=None, metavar="FORMAT",
+                   help="the LM head (and a tied embedding): in --quantization's format (no FORMAT), in FORMAT "
+                        "(int8, int4, fp8), or none; default: int8 for int8 and int4 models, none for fp8")
     add_speculative_args(e)
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: the engine picks one per two usable cores, at most 8)")

@@ -606,6 +606,8 @@ def test_engine_quantized_equals_dequantized_weights():
             if isinstance(qmods.get(name), QuantLinear):
                 mod.weight.data.copy_(qmods[name].dequantized_weight(torch.float32)); n += 1
         assert n == 4 * q.config.num_hidden_layers
+        assert q.quant_report.lm_head_method == "int8"                # the default head (tied: the embedding too)
+        ref.model.embed_tokens.weight.data.copy_(q.model.quant_lm_head.dequantized_weight(torch.float32))
         assert [o.token_ids for o in q.generate(prompts, sp)] == [o.token_ids for o in ref.generate(prompts, sp)]
 
 
@@ -761,3 +763,18 @@ def test_table_selected_kernels_are_unchanged():
     script = TABLE_PTX.replace("@@KEYS@@", json.dumps(sorted(TABLE_PTX_HASHES)))
     got = json.loads(compiled_run(script, 900).strip().splitlines()[-1])
     assert got == TABLE_PTX_HASHES
+
+
+def test_the_engines_lm_head_default_and_choices():
+    """`LLM(quantization=...)` quantizes the LM head by the package's default (`DEFAULT_LM_HEAD`: INT8 for INT8 and
+    INT4 models, none for fp8), or as asked: the body's format, another, or "none" (a command line's word for False)."""
+    from nanoserve.engine import LLM
+    from nanoserve.quant import DEFAULT_LM_HEAD
+    from nanoserve.tokenizer import default_model
+    assert DEFAULT_LM_HEAD == {"int8": "int8", "int4": "int8", "fp8": None}
+    head = lambda **kw: LLM(default_model(), dtype="float32", num_kv_blocks=16, **kw).quant_report.lm_head_method
+    assert head(quantization="int4", quant_group_size=16) == "int8"
+    assert head(quantization="int4", quant_group_size=16, quantize_lm_head=True) == "int4"
+    assert head(quantization="int8", quantize_lm_head="none") is None
+    with pytest.raises(ValueError, match="needs a quantization method"):
+        LLM(default_model(), quantize_lm_head="int8")
