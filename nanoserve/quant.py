@@ -1564,8 +1564,8 @@ def _check_fp8(name: str, N: int, K: int, device: torch.device) -> None:
                          f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
 
 
-DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8", "fp8": None}   # the quality section: an INT8 head costs INT4 models
-                                                                  # almost nothing; fp8 models keep theirs
+DEFAULT_LM_HEAD = types.MappingProxyType({"int8": "int8", "int4": "int8", "fp8": None})   # read-only; the quality
+# section: an INT8 head costs an INT4 model almost nothing; fp8 models keep theirs
 
 
 def lm_head_method(method: str, quantize_lm_head: bool | str | None) -> str | None:

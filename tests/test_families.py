@@ -246,7 +246,9 @@ def test_quantized_families_equal_their_dequantized_weights(ckpts, name, method,
     for mod_name, mod in ref.model.named_modules():
         if isinstance(qmods.get(mod_name), QuantLinear):
             mod.weight.data.copy_(qmods[mod_name].dequantized_weight(torch.float32)); n += 1
-    assert n == 4 * q.config.num_hidden_layers
+    head = q.model.quant_lm_head                                   # the engine's default head: INT8 (tied: the table)
+    if ref.model.lm_head is None: ref.model.embed_tokens.weight.data.copy_(head.dequantized_weight(torch.float32)); n += 1
+    assert n == 4 * q.config.num_hidden_layers + 1 and head.method == "int8"
     prompts = [random_prompt(n, hf.config.vocab_size, seed=n) for n in (5, 33)]
     assert [o.token_ids for o in q.generate(prompts, GREEDY)] == [o.token_ids for o in ref.generate(prompts, GREEDY)]
 
