@@ -1591,9 +1591,9 @@ def _check_sizes(model: nn.Module, targets: list, method: str, group_size: int, 
 
 # %% ../nbs/08_quant.ipynb #fe698bd5
 def quantize_model(model: nn.Module, method: str, group_size: int = 128,
-                   quantize_lm_head: bool | str = False) -> QuantReport:
-    """Replace every decoder layer's linear layers (and optionally the LM head: in `method`'s format, or in the one
-    `quantize_lm_head` names) of `model` in place by `QuantLinear`."""
+                   quantize_lm_head: bool | str | None = False) -> QuantReport:
+    """Replace every decoder layer's linear layers (and optionally the LM head: `lm_head_method`'s format, the
+    package's default for None) of `model` in place by `QuantLinear`."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization method {method!r}: one of {', '.join(QUANTIZATIONS)}")
     if method == "int4" and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2
