@@ -28,6 +28,7 @@ from nanoserve.model import load_state_dict  # noqa: E402
 from nanoserve.quant import awq_tensors, gptq_tensors, quantize_int4, unpack_int4  # noqa: E402
 
 NAME = "awq_gptq_h200.json"
+MADE = {"default": None, "on": True, "off": False}          # --made-input -> the engines' quant_made_input
 FORMATS = {"awq": ("awq", False), "gptq": ("gptq", False), "gptq act order": ("gptq", True)}
 
 
@@ -84,13 +85,15 @@ def engines(args, device, G: int) -> dict:
     src = small_checkpoint(Path(args.work)) if is_smoke(args) else random_checkpoint(args.shape, device=device.type)
     kw = dict(dtype="float32" if is_smoke(args) else "bfloat16", device=device.type,
               max_num_seqs=max(int(b) for b in args.batches.split(",")), num_kv_blocks=512,
-              quant_made_input=args.made_input)
+              quant_made_input=MADE[args.made_input])
     out = {"int4 (ours)": LLM(src, quantization="int4", quant_group_size=G, quantize_lm_head=False, **kw)}   # like for
     # like: a checkpoint's LM head stays in bf16
     root = Path(args.work) / f"{src.name}-g{G}"
     for name, (fmt, act) in FORMATS.items():
         out[name] = LLM(write_format(src, root / name.replace(" ", "-"), fmt, act, G, device), **kw)
         print(out[name], out[name].quant_report, flush=True)
+    if args.made_input == "default":       # the control: act order's one-row output projection gathered apart
+        out["gptq act order, gather apart"] = LLM(root / "gptq-act-order", **{**kw, "quant_made_input": False})
     return out
 
 
@@ -136,8 +139,9 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--work", default="/tmp/nanoserve-awq-gptq", help="where the checkpoints are written")
     ap.add_argument("--name", default=NAME)
-    ap.add_argument("--made-input", action="store_true",
-                    help="every engine with quant_made_input (act order: the one-row GEMV gathers its input)")
+    ap.add_argument("--made-input", choices=tuple(MADE), default="default",
+                    help="every engine's quant_made_input: the package's default (INT4 apart, act order's gathers in "
+                         "the GEMV, with an act-order engine gathering apart beside it), on or off")
     args = ap.parse_args()
     device = device_or_skip(args)
     G = 32 if is_smoke(args) else args.group

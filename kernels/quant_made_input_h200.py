@@ -6,8 +6,9 @@ SiLU x up as kernels of their own, and against bf16: issue 28's "INT4 >= 2.5x an
 The profile of the INT4 step (`quant_profile7b_h200.json`) put 57 `add_rmsnorm` and 28 `silu_mul` launches on its
 chain, ~110 us of ~2.0 ms, where the bf16 step takes them into its `gemv`. `quant_made_input` now does the same for the
 INT8 and INT4 one-row GEMVs (the quantization chapter: the inputs made as they load). Engines, one process, random
-bf16 weights of the shape drawn on the GPU: bf16; INT8 and INT4 with it on and off (off, the package's default,
-is the control), the LM head in bf16; INT8 and INT4 as the package makes them by default (the head in INT8). In
+bf16 weights of the shape drawn on the GPU: bf16; INT8 and INT4 with it on and off (off is the control), the LM
+head in bf16; INT8 and INT4 as the package makes them by default (the head in INT8; INT8's input made, INT4's apart),
+and INT8 so with its input made apart. In
 the tutorials' order: check (each fused engine's greedy tokens against its control's, recorded: the norm's sum of
 squares is added in another order, so a bf16 near-tie may break the other way), time (each engine in steady decode
 from `--prompt-len`-token prompts, the GPU warmed before every row, ms per `LLM.step()` over `--steps` steps, twice,
@@ -22,14 +23,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lab import (LLM, device_or_skip, disagree, is_smoke, median, parser, random_checkpoint,  # noqa: E402
                  same_greedy_tokens, steady_decode, step_ms, tiny_model, warm, write)
 
-MADE, NO_HEAD = {"quant_made_input": True}, {"quantize_lm_head": False}     # the LM head in bf16 unless named
+MADE, APART = {"quant_made_input": True}, {"quant_made_input": False}
+NO_HEAD = {"quantize_lm_head": False}                                     # the LM head in bf16 unless named
 ENGINES = {"bf16": {}, "int8": {"quantization": "int8", **MADE, **NO_HEAD},
-           "int8 apart": {"quantization": "int8", **NO_HEAD},
-           "int4": {"quantization": "int4", **MADE, **NO_HEAD}, "int4 apart": {"quantization": "int4", **NO_HEAD},
+           "int8 apart": {"quantization": "int8", **APART, **NO_HEAD},
+           "int4": {"quantization": "int4", **MADE, **NO_HEAD}, "int4 apart": {"quantization": "int4", **APART, **NO_HEAD},
            "int8 head": {"quantization": "int8", "quantize_lm_head": True, **MADE},
            "int4 head": {"quantization": "int4", "quantize_lm_head": True, **MADE},
-           "int8 defaults": {"quantization": "int8"}, "int4 defaults": {"quantization": "int4"}}   # the package's:
-                                                                     # an INT8 head, the input made apart
+           "int8 defaults": {"quantization": "int8"}, "int4 defaults": {"quantization": "int4"},   # the package's:
+           "int8 defaults apart": {"quantization": "int8", **APART}}   # an INT8 head; INT8 made, INT4 apart
 
 
 def main():
@@ -38,7 +40,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--engines", default="bf16,int8,int8 apart,int4,int4 apart,int8 defaults,int4 defaults")
+    ap.add_argument("--engines", default="bf16,int8,int8 apart,int4,int4 apart,int8 defaults,int8 defaults apart,"
+                                         "int4 defaults")
     args = ap.parse_args()
     smoke = is_smoke(args)
     device = device_or_skip(args)
@@ -66,6 +69,7 @@ def main():
     res["ms_per_step"], res["median_ms"] = ms, med
     ratio = lambda a, b: med[a] / med[b] if a in med and b in med else None
     res["ratios"] = {"int8 on/off": ratio("int8", "int8 apart"), "int4 on/off": ratio("int4", "int4 apart"),
+                     "int8 defaults on/off": ratio("int8 defaults", "int8 defaults apart"),
                      **{f"bf16/{n}": ratio("bf16", n) for n in names if n != "bf16"}}
     print(res["ratios"], flush=True)
     write("quant_made_input_h200.json", res, args)

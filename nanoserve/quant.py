@@ -34,22 +34,22 @@ QUANTIZATIONS = METHODS + ("fp8",)      # and W8A8 in e4m3 on the fp8 tensor cor
 
 # %% auto #0
 __all__ = ['METHODS', 'QUANTIZATIONS', 'NIBBLES', 'FP8_MAX', 'PAIRS_ASM', 'PAIRS_ASM_SHIFT', 'DEQUANT_ASM', 'X_SCALE',
-           'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'QUANT_TARGETS', 'DEFAULT_LM_HEAD', 'AWQ_ORDER', 'FUSED_PROJECTIONS',
-           'QuantConfig', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4', 'out_features', 'int4_values',
-           'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout', 'quantize_fp8',
-           'dequantize_fp8', 'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8', 'fp8_matmul_ref',
-           'fp8_scaled_mm', 'fp8_matmul', 'add_rmsnorm_fp8_kernel', 'add_rmsnorm_fp8', 'silu_mul_fp8_kernel',
-           'silu_mul_fp8', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel', 'quant_gemm_kernel',
-           'quant_tables', 'kernels_support', 'choose_split_k', 'words_path', 'gemv_config', 'gemv_tile', 'f16_path',
-           'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch', 'quant_gemm', 'one_row_f16',
-           'quant_matmul', 'makes_input', 'check_made_input', 'quantize_weight', 'QuantLinear', 'Fp8Linear',
-           'int4_linear', 'weight_bytes', 'QuantEmbedding', 'QuantReport', 'lm_head_method', 'quantize_model',
-           'CheckpointQuant', 'fp8_format', 'checkpoint_quant', 'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4',
-           'awq_tensors', 'gptq_tensors', 'gptq8_quantize', 'add_rmsnorm_gather_kernel', 'add_rmsnorm_gather',
-           'add_rmsnorm_gather_ref', 'checkpoint_layer', 'fused_quant_linear', 'fold_input_order',
-           'load_quantized_model', 'read_checkpoint_quant', 'write_quantized', 'gptq_dense', 'gptq8_state_dict',
-           'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model', 'fp8_quantize', 'write_fp8', 'logit_quality',
-           'quantized_linear_bytes']
+           'INT8_PAIRS_ASM', 'F16_PAIR_ASM', 'MADE_BY_DEFAULT', 'QUANT_TARGETS', 'DEFAULT_LM_HEAD', 'AWQ_ORDER',
+           'FUSED_PROJECTIONS', 'QuantConfig', 'quantize_int8', 'dequantize_int8', 'pack_int4', 'unpack_int4',
+           'out_features', 'int4_values', 'int4_rows', 'quantize_int4', 'dequantize_int4', 'tile_int4', 'weight_layout',
+           'quantize_fp8', 'dequantize_fp8', 'quantize_rows_fp8_ref', 'quantize_rows_fp8_kernel', 'quantize_rows_fp8',
+           'fp8_matmul_ref', 'fp8_scaled_mm', 'fp8_matmul', 'add_rmsnorm_fp8_kernel', 'add_rmsnorm_fp8',
+           'silu_mul_fp8_kernel', 'silu_mul_fp8', 'dequantize', 'quant_matmul_ref', 'neg_pair', 'quant_gemv_kernel',
+           'quant_gemm_kernel', 'quant_tables', 'kernels_support', 'choose_split_k', 'words_path', 'gemv_config',
+           'gemv_tile', 'f16_path', 'gemm_config', 'gemv_launch', 'quant_gemv', 'compile_one_row', 'gemm_launch',
+           'quant_gemm', 'one_row_f16', 'quant_matmul', 'makes_input', 'check_made_input', 'quantize_weight',
+           'QuantLinear', 'made_by_default', 'Fp8Linear', 'int4_linear', 'weight_bytes', 'QuantEmbedding',
+           'QuantReport', 'lm_head_method', 'quantize_model', 'CheckpointQuant', 'fp8_format', 'checkpoint_quant',
+           'unpack_int32', 'pack_int32', 'awq_int4', 'gptq_int4', 'awq_tensors', 'gptq_tensors', 'gptq8_quantize',
+           'add_rmsnorm_gather_kernel', 'add_rmsnorm_gather', 'add_rmsnorm_gather_ref', 'checkpoint_layer',
+           'fused_quant_linear', 'fold_input_order', 'load_quantized_model', 'read_checkpoint_quant', 'write_quantized',
+           'gptq_dense', 'gptq8_state_dict', 'fp8_dequantize', 'fp8_state_dict', 'load_dequantized_model',
+           'fp8_quantize', 'write_fp8', 'logit_quality', 'quantized_linear_bytes']
 
 # %% ../nbs/08_quant.ipynb #6a05e974
 @dataclass(frozen=True)
@@ -1368,7 +1368,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_perm", input_perm)   # inputs in this order first (a GPTQ act-order checkpoint's)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
         self.pdl = False                        # True: the GEMV uses programmatic dependent launch
-        self.fuse_input = False                 # True: one row's GEMV makes its own input where it can (`fuses_input`)
+        self.fuse_input: bool | None = None     # one row's GEMV makes its own input where it can (`fuses_input`);
+                                                # None: where measured faster (`made_by_default`)
         self.tuned = tuned                      # the GEMV entry in place of the tuned table's (None: the table's)
 
     @classmethod
@@ -1410,9 +1411,19 @@ class QuantLinear(nn.Module):
                f"bias={self.bias is not None}"
 
 # %% ../nbs/08_quant.ipynb #5f1a7c0a
+MADE_BY_DEFAULT = frozenset({"int8"})  # formats whose one-row GEMV makes its norm and SiLU x up input by default
+
+
+def made_by_default(layer: QuantLinear) -> bool:
+    """Whether `layer` makes its one-row input when `fuse_input` is None: INT8 layers (measured faster on the 7B) and
+    act order's gathers (an `index_select` launch saved); INT4 keeps the norm and SiLU apart (measured slower)."""
+    return layer.method in MADE_BY_DEFAULT or layer.input_perm is not None
+
+
 def _makes_input(self: QuantLinear, x: torch.Tensor) -> bool:
-    "`fuse_input` on and one row of `x` [1, K] on a GEMV path that makes its input (`makes_input`)."
-    return (self.fuse_input and self.method in METHODS and x.shape[0] == 1 and self.use_kernels(x)
+    "`fuse_input` on (None: `made_by_default`) and one row of `x` [1, K] on a GEMV path that makes its input."
+    on = made_by_default(self) if self.fuse_input is None else self.fuse_input
+    return (on and self.method in METHODS and x.shape[0] == 1 and self.use_kernels(x)
             and makes_input(self.out_features, self.in_features, self.method, self.group_size, x.dtype, self.tuned))
 
 

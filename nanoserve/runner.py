@@ -43,7 +43,8 @@ class KernelConfig:
     tuned_gemv: bool = True                # the `gemv` takes its shape's blocks from the H200 table (False: the rule)
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
-    quant_made_input: bool = False         # one-row INT8/INT4 steps: the GEMV makes its input (norm, SiLU x up)
+    quant_made_input: bool | None = None   # one-row INT8/INT4 GEMVs make their input (norm, SiLU x up, act order's
+                                           # gather); None: where measured faster (the quantization chapter)
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
     decode_splits_by_context: bool = True  # the decode kernel runs only the splits a context has tiles for
     decode_prefetch: bool = True           # the decode kernel's first tile loads before it waits on the kernel before

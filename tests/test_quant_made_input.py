@@ -54,6 +54,30 @@ def test_one_bf16_row_is_taken_where_the_gemv_reads_pairs(method):
     assert not q.fuses_input(torch.randn(1, 1024).bfloat16())                   # the gate/up output: gathered first
 
 
+def test_by_default_int8_makes_its_input_int4_does_not_and_act_order_gathers_in_the_gemv():
+    """`fuse_input` None (a layer's default): INT8 layers make their norm and SiLU x up input at one row, INT4
+    layers take them from kernels of their own, and an act-order layer of either gathers in the GEMV."""
+    x = torch.randn(1, 512).bfloat16()
+    q8, q4 = layer("int8"), layer("int4")
+    q8.fuse_input = q4.fuse_input = None
+    assert q8.fuses_input(x) and not q4.fuses_input(x) and not q4.gathers(x)
+    q4.input_perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))
+    assert q4.gathers(x)
+
+
+@pytest.mark.parametrize("method, made", [("int8", ["norm", "x", "norm", "act"]), ("int4", ["x"] * 4)])
+def test_the_engines_default_table_makes_inputs_by_format(method, made, monkeypatch):
+    "The kernel table's default (`quant_made_input=None`) leaves each layer's own default: INT8 made, INT4 apart."
+    m = small_model(method)
+    m.set_kernels(ModelKernels(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul))
+    assert all(mod.fuse_input is None for mod in m.modules() if isinstance(mod, QuantLinear))
+    calls, real = [], Q.quant_gemv
+    kind = lambda k: "norm" if k.get("norm") else "act" if k.get("act") else "x"
+    monkeypatch.setattr(Q, "quant_gemv", lambda *a, **k: (calls.append(kind(k)), real(*a, **k))[1])
+    one_token_logits(m)
+    assert calls == made * 2                                             # QKV, o, gate/up, down; two layers
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_norm_taken_in_gives_the_unfused_products(method, residual):
