@@ -5,13 +5,13 @@ Parts (`--parts`, in this order):
   with the shipped draft model equal those of the default engine (async scheduling, no speculation), on
   repetitive and plain prompts.
 - verify: random weights of each `--shapes` shape in bf16, batch 1 in steady decode from 128-token prompts, one
-  engine with speculation, synchronous: ms a step of a plain decode step and of a verify step of 1 + k tokens (k
-  made-up drafts: a verify step costs the same whether its drafts hold or not), in interleaved passes; beside them
-  the default engine's decode step (async scheduling, no speculation) in the same process. Issue 30's bar: verify
-  <= 1.15x.
+  engine with speculation, synchronous: ms a step of a plain decode step and of a verify step of 1 + k tokens (k of
+  `--verify-k`, made-up drafts: a verify step costs the same whether its drafts hold or not), in interleaved passes;
+  beside them the default engine's decode step (async scheduling, no speculation) in the same process. Issue 30's
+  bar: verify <= 1.15x.
 - tiny: the trained tiny model at batch 1, the two workloads of `kernels/speculative_cpu.py` (held-out code, and
   the same prompts followed by their own first tokens: an edit), each request alone: output tokens a second with
-  prompt lookup (k 4, the default, and k 8) and with the shipped draft model against the default engine,
+  prompt lookup (k 8, the default, and k 4) and with the shipped draft model against the default engine,
   interleaved rounds, the prefix cache emptied before each timed run; the tokens a step that verify steps emitted.
 - policy: random weights, random prompts, batch 64 (no drafting by policy) and batch 1 (the back-off where the
   lookup finds nothing): ms a step of the default engine and of one with prompt lookup, interleaved.
@@ -50,10 +50,10 @@ def pass_ms(llm, drafts, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def verify_rows(res, shapes, args, k: int = 4) -> None:
+def verify_rows(res, shapes, args) -> None:
     smoke, rows = is_smoke(args), res.setdefault("verify", [])
     steps, rounds = (4, 1) if smoke else (100, 3)
-    for shape in shapes.split(","):
+    for shape, k in [(s, int(k)) for s in shapes.split(",") for k in args.verify_k.split(",")]:
         model_dir, name = checkpoint(shape, args)
         kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
                   max_model_len=2048, num_kv_blocks=2048)         # two engines in one process
@@ -150,8 +150,8 @@ def one_at_a_time(llm, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
-SPECULATIVE = {"prompt lookup": SpeculativeConfig(), "prompt lookup, k 8": SpeculativeConfig(num_speculative_tokens=8),
-               "draft model": SpeculativeConfig("draft")}   # k 8: the CPU counts 3.43 tokens a step on code, k 4 2.87
+SPECULATIVE = {"prompt lookup": SpeculativeConfig(), "prompt lookup, k 4": SpeculativeConfig(num_speculative_tokens=4),
+               "draft model": SpeculativeConfig("draft")}   # the defaults: k 8 for the lookup, 4 for the draft
 
 
 def tiny_rows(res, args) -> None:
@@ -215,6 +215,7 @@ def main():
     ap = parser(__doc__, parts="check,verify,tiny,policy,profile")
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--shapes", default="0.5B,7B")
+    ap.add_argument("--verify-k", default="4,8", help="verify: the drafts a verify step carries, comma-separated")
     args = ap.parse_args()
     device_or_skip(args)
     res = {"what": "speculative decoding with prompt lookup and a draft model: exactness, the verify step's cost, "

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from .scheduler import Step
 
 # %% auto #0
-__all__ = ['SPECULATIVE_METHODS', 'SpeculativeConfig', 'speculative_config', 'add_speculative_args', 'speculative_args',
-           'ngram_propose', 'accepted_tokens', 'split_draws', 'next_num_drafts', 'verify_steps']
+__all__ = ['SPECULATIVE_METHODS', 'DEFAULT_NUM_DRAFTS', 'SpeculativeConfig', 'speculative_config', 'add_speculative_args',
+           'speculative_args', 'ngram_propose', 'accepted_tokens', 'split_draws', 'next_num_drafts', 'verify_steps']
 
 # %% ../nbs/09b_speculative.ipynb #dcf3dda2
 SPECULATIVE_METHODS = ("ngram", "draft")
+# k by method, the best measured at batch 1: a lookup's drafts cost nothing to make, a draft model's a step each
+DEFAULT_NUM_DRAFTS = MappingProxyType({"ngram": 8, "draft": 4})
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -23,7 +26,8 @@ class SpeculativeConfig:
     method: str = "ngram"               # prompt lookup: drafts copied from the sequence itself, no weights;
                                         # "draft": a smaller model over the same tokenizer drafts greedily
     draft_model: str | None = None      # "draft": its folder (None: the shipped tiny model's draft)
-    num_speculative_tokens: int = 4     # k: most drafts a sequence gets in one step
+    num_speculative_tokens: int | None = None  # k: most drafts a sequence gets in one step (None: the method's
+                                               # `DEFAULT_NUM_DRAFTS`)
     prompt_lookup_max: int = 3          # the longest suffix looked up first ...
     prompt_lookup_min: int = 1          # ... down to the shortest
     max_num_seqs: int = 16              # speculate only while at most this many sequences run (wider: compute-bound)
@@ -34,6 +38,8 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens is None:        # frozen: the method's default set once, here
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_DRAFTS[self.method])
         if isinstance(self.backoff_steps, bool) or not isinstance(self.backoff_steps, int) or self.backoff_steps < 0:
             raise ValueError(f"backoff_steps must be an int >= 0, got {self.backoff_steps!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_num_seqs", "backoff_after"):
@@ -67,7 +73,8 @@ def add_speculative_args(p) -> None:
                    help="draft tokens (ngram: prompt lookup; draft: a draft model) and verify them in one step")
     p.add_argument("--speculative-draft-model", default=None,
                    help="with --speculative draft: the draft's folder (default: the shipped tiny model's draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: drafts a step at most")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="with --speculative: drafts a step at most (default: the method's, `DEFAULT_NUM_DRAFTS`)")
     p.add_argument("--speculative-adaptive-k", action="store_true",
                    help="with --speculative: each request's drafts a step follow its acceptance (up to the most)")
 
@@ -75,8 +82,8 @@ def add_speculative_args(p) -> None:
 def speculative_args(args) -> dict | None:
     "The engine's `speculative` from those options (None: off)."
     if not args.speculative: return None
-    d = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-         "adaptive_k": args.speculative_adaptive_k}
+    d = {"method": args.speculative, "adaptive_k": args.speculative_adaptive_k}
+    if args.num_speculative_tokens is not None: d["num_speculative_tokens"] = args.num_speculative_tokens
     return d if args.speculative_draft_model is None else {**d, "draft_model": args.speculative_draft_model}
 
 # %% ../nbs/09b_speculative.ipynb #4e595d26

@@ -193,7 +193,7 @@ def test_verify_steps_replay_in_the_mixed_step_graphs():
     spec, llm = run(SpeculativeConfig(), True)
     assert spec == plain
     assert llm.num_accepted_tokens > 0 and llm.runner.mixed_graphs.num_replays > 5
-    assert llm.max_draws == 4 + 4 * 4 and llm.runner.graphs.logits.shape[0] == llm.max_draws
+    assert llm.max_draws == 4 + 4 * 8 and llm.runner.graphs.logits.shape[0] == llm.max_draws
 
 
 def test_command_lines_and_metrics():
@@ -295,6 +295,6 @@ def test_a_draft_over_another_tokenizer_is_refused(tmp_path):
 
 def test_command_lines_take_a_draft_model():
     argv = ["--speculative", "draft", "--speculative-draft-model", "some/draft"]
-    want = {"method": "draft", "num_speculative_tokens": 4, "adaptive_k": False, "draft_model": "some/draft"}
+    want = {"method": "draft", "adaptive_k": False, "draft_model": "some/draft"}
     assert engine_kwargs_from_args(bench_parser().parse_args(argv))["speculative"] == want
     assert engine_kwargs(serve_parser().parse_args(argv))["speculative"] == want
