@@ -27,7 +27,8 @@ MADE, APART = {"quant_made_input": True}, {"quant_made_input": False}
 NO_HEAD = {"quantize_lm_head": False}                                     # the LM head in bf16 unless named
 ENGINES = {"bf16": {}, "int8": {"quantization": "int8", **MADE, **NO_HEAD},
            "int8 apart": {"quantization": "int8", **APART, **NO_HEAD},
-           "int4": {"quantization": "int4", **MADE, **NO_HEAD}, "int4 apart": {"quantization": "int4", **APART, **NO_HEAD},
+           "int4": {"quantization": "int4", **MADE, **NO_HEAD},
+           "int4 apart": {"quantization": "int4", **APART, **NO_HEAD},
            "int8 head": {"quantization": "int8", "quantize_lm_head": True, **MADE},
            "int4 head": {"quantization": "int4", "quantize_lm_head": True, **MADE},
            "int8 defaults": {"quantization": "int8"}, "int4 defaults": {"quantization": "int4"},   # the package's:
