@@ -19,9 +19,11 @@ In the tutorials' order:
   Qwen3-0.6B's and Qwen2.5-0.5B's heads), interleaved, each timed twice: us a call and K/V GB/s;
 - quality: the trained tiny model in bf16 through the Triton kernels, fp8 cache against the bf16 cache (held-out
   rows, teacher-forced: relative logit error, KL, top-1 agreement, perplexity);
-- workload: Qwen3-0.6B (random bf16 weights) on nano-vllm's workload with a bf16 and an fp8 cache, two engines in
-  one process with the same number of blocks (neither preempts), interleaved, fresh requests each round (the same
-  for both engines within a round), prefill included: output tokens/s;
+- workload: Qwen3-0.6B (random bf16 weights) on nano-vllm's workload with a bf16 and each one-byte cache (and
+  `--workload-variants`: the fp8 cache at 64-key decode tiles), engines in one process with the same number of
+  blocks (neither preempts at the default 32,768; `--sequential` builds one engine at a time, for a card that holds
+  one), interleaved, fresh requests each round (the same for every engine within a round), prefill included:
+  output tokens/s;
 - poisson: the benchmark chapter's Poisson workload (0.5B shape, lognormal lengths, 64 requests, 32 slots) at
   `--rate` through `nanoserve.bench.run_benchmark`, with `--blocks` bf16 blocks and twice as many fp8 blocks (the
   same bytes): preemptions, recomputed tokens and throughput.
@@ -178,24 +180,38 @@ def part_quality(res, args, device, smoke):
     print(res["quality"], flush=True)
 
 
+WORKLOAD_VARIANTS = {"fp8 tile 64": {"kv_cache_dtype": "fp8", "decode_tile": 64}}   # --workload-variants: lab variants
+
+
 def part_workload(res, args, device, smoke):
-    "Qwen3-0.6B, nano-vllm's workload, bf16 and fp8 caches of the same block count, interleaved."
+    """Qwen3-0.6B, nano-vllm's workload, the model's cache against each one-byte cache (and `--workload-variants`), the
+    same block count, interleaved; `--sequential`: each engine built for its run and dropped after it (a card that
+    cannot hold them all at once), warmed on a few requests first."""
     model_dir = tiny_model() if smoke else random_checkpoint("qwen3-0.6B", device=device.type)
     kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=8 if smoke else 256,
               max_num_batched_tokens=256 if smoke else 16384, num_kv_blocks=256 if smoke else args.workload_blocks)
-    engines = {c: LLM(model_dir, kv_cache_dtype=c, **kw) for c in ("auto", *args.caches)}
+    variants = {"auto": {}, **{c: {"kv_cache_dtype": c} for c in args.caches},
+                **{v: WORKLOAD_VARIANTS[v] for v in args.workload_variants}}
+    make = lambda v: LLM(model_dir, **kw, **variants[v])
+    engines = {} if args.sequential else {v: make(v) for v in variants}
     vocab, max_len = model_limits(model_dir, {})
-    out = {"model": "tiny" if smoke else "qwen3-0.6B", "engine_kwargs": kw, "rounds": [], "numerator":
-           "output tokens actually generated (EOS ignored, every request to its max_tokens)"}
-    workload = lambda seed: nanovllm_requests(vocab, min(max_len, engines["auto"].max_model_len), smoke=smoke, seed=seed)
-    for llm in engines.values():      # one untimed run of the whole workload each (another seed): every kernel compiled
+    out = {"model": "tiny" if smoke else "qwen3-0.6B", "engine_kwargs": kw, "variants": variants,
+           "sequential": args.sequential, "rounds": [],
+           "numerator": "output tokens actually generated (EOS ignored, every request to its max_tokens)"}
+    workload = lambda seed: nanovllm_requests(vocab, max_len, smoke=smoke, seed=seed)
+
+    def warm_run(llm, n=None):
+        "One untimed run of the first `n` requests (all) of another seed's workload: kernels compiled, graphs replayed."
         reqs, sp = workload(99)
-        llm.generate([list(q.prompt_token_ids) for q in reqs], sp)
+        llm.generate([list(q.prompt_token_ids) for q in reqs[:n]], sp[:n])
+
+    for llm in engines.values(): warm_run(llm)
     for r in range(1 if smoke else args.rounds):
         reqs, sp = workload(100 + r)
         row = {"seed": 100 + r}
-        for c in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            llm = engines[c]
+        for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            llm = engines.get(v) or make(v)
+            if v not in engines: warm_run(llm, 16)
             warm(device, 0 if smoke else 3.0)
             sync(device)
             t0 = time.perf_counter()
@@ -204,13 +220,14 @@ def part_workload(res, args, device, smoke):
             dt = time.perf_counter() - t0
             n = sum(len(o.token_ids) for o in outs)
             assert n == sum(q.max_tokens for q in reqs)
-            row[c] = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt,
-                      "preemptions": sum(o.num_preemptions for o in outs)}
-        for c in args.caches: row[f"{c}_over_auto"] = row[c]["output_tokens_per_s"] / row["auto"]["output_tokens_per_s"]
+            row[v] = {"seconds": dt, "output_tokens": n, "output_tokens_per_s": n / dt,
+                      "preemptions": sum(o.num_preemptions for o in outs), "num_kv_blocks": llm.num_kv_blocks}
+            if v not in engines: del llm; gc.collect(); free()
+        for v in list(variants)[1:]:
+            row[f"{v}_over_auto"] = row[v]["output_tokens_per_s"] / row["auto"]["output_tokens_per_s"]
         out["rounds"].append(row)
         print(row, flush=True)
-    for c in args.caches: out[f"{c}_over_auto_median"] = median([r[f"{c}_over_auto"] for r in out["rounds"]])
-    out["num_kv_blocks"] = {c: e.num_kv_blocks for c, e in engines.items()}
+    for v in list(variants)[1:]: out[f"{v}_over_auto_median"] = median([r[f"{v}_over_auto"] for r in out["rounds"]])
     res["workload"] = out
     del engines; gc.collect(); free()
 
@@ -253,8 +270,11 @@ def main():
     ap.add_argument("--blocks", type=int, default=192, help="poisson: the bf16 cache's blocks (fp8: twice)")
     ap.add_argument("--rate", type=float, default=48.0, help="poisson: requests a second")
     ap.add_argument("--caches", default="fp8,int8", help="the one-byte K/V dtypes set against the model's: fp8, int8")
+    ap.add_argument("--workload-variants", default="", help=f"workload: lab variants too, of {list(WORKLOAD_VARIANTS)}")
+    ap.add_argument("--sequential", action="store_true", help="workload: one engine on the card at a time")
     args = ap.parse_args()
     args.caches = args.caches.split(",")
+    args.workload_variants = [v for v in args.workload_variants.split(",") if v]
     smoke = is_smoke(args)
     device = device_or_skip(args)
     res = {"command": "PYTHONPATH=. python kernels/kv_fp8_h200.py " + " ".join(sys.argv[1:])}

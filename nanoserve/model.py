@@ -416,8 +416,7 @@ class ModelKernels:
     silu_mul: Callable | None = None     # (gate_up, pdl=False) -> [T, I]; None: torch
     gemv: Callable | None = None         # fused.gemv: one-row projections on a GPU; None: nn.Linear
     norm_in_gemv: bool = False           # with gemv and add_rmsnorm: the gemv normalises its own input
-    quant_made_input: bool | None = None # quantized layers (that chapter) make their one-row input in their GEMV;
-                                         # None: each layer's own default
+    quant_made_input: bool | None = None # quantized layers make their one-row input in their GEMV (None: their default)
     pdl: bool = False                    # Triton kernels launch with programmatic dependent launch
     qk_norm_in_attention: bool = False   # Qwen3's q/k norms done by `attention` (its qk_norm=(wq, wk, eps)); False: torch
 

@@ -1410,7 +1410,7 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}{g}, " \
                f"bias={self.bias is not None}"
 
-# %% ../nbs/08_quant.ipynb #5f1a7c0a
+# %% ../nbs/08_quant.ipynb #made0def
 MADE_BY_DEFAULT = frozenset({"int8"})  # formats whose one-row GEMV makes its norm and SiLU x up input by default
 
 
@@ -1420,6 +1420,7 @@ def made_by_default(layer: QuantLinear) -> bool:
     return layer.method in MADE_BY_DEFAULT or layer.input_perm is not None
 
 
+# %% ../nbs/08_quant.ipynb #5f1a7c0a
 def _makes_input(self: QuantLinear, x: torch.Tensor) -> bool:
     "`fuse_input` on (None: `made_by_default`) and one row of `x` [1, K] on a GEMV path that makes its input."
     on = made_by_default(self) if self.fuse_input is None else self.fuse_input
