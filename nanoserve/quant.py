@@ -1366,6 +1366,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
         self.register_buffer("input_perm", input_perm)   # inputs in this order first (a GPTQ act-order checkpoint's)
+        self.register_buffer("input_dest", None if input_perm is None else torch.argsort(input_perm),
+                             persistent=False)           # its inverse: where each input goes (`add_rmsnorm_gather`)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
         self.pdl = False                        # True: the GEMV uses programmatic dependent launch
         self.fuse_input: bool | None = None     # one row's GEMV makes its own input where it can (`fuses_input`);
@@ -1441,7 +1443,7 @@ def _norm_forward(self: QuantLinear, norm, x: torch.Tensor, residual: torch.Tens
     """(self(norm(x + residual)), x + residual), x itself the new residual without one: one GEMV; in act order the
     norm's kernel writes its output in the layer's input order, and the product follows."""
     if self.input_perm is not None:
-        y, residual = add_rmsnorm_gather(x, residual, norm.weight, norm.eps, self.input_perm, pdl=self.pdl)
+        y, residual = add_rmsnorm_gather(x, residual, norm.weight, norm.eps, self.input_perm, self.pdl, self.input_dest)
         return self.matmul(y), residual
     return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
                       tuned=self.tuned, norm=(norm.weight, norm.eps), residual=residual)
@@ -1770,33 +1772,34 @@ def gptq8_quantize(w: torch.Tensor, G: int) -> tuple:
 
 # %% ../nbs/08_quant.ipynb #a0c7e1d2
 @triton.jit
-def add_rmsnorm_gather_kernel(x_ptr, residual_ptr, weight_ptr, perm_ptr, out_ptr, new_residual_ptr, eps, stride_x,
+def add_rmsnorm_gather_kernel(x_ptr, residual_ptr, weight_ptr, dest_ptr, out_ptr, new_residual_ptr, eps, stride_x,
                               stride_r, stride_o, stride_nr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
                               HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
-    "`add_rmsnorm_kernel`'s row with output j read from column perm[j]: one program a row."
+    """`add_rmsnorm_kernel`'s row, read in its own order (coalesced, the sum of squares in the same order), column i
+    stored at dest[i]: output j is column perm[j] for dest the inverse of perm. One program a row."""
     pdl_launch_next(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    src = tl.load(perm_ptr + cols, mask=mask, other=0)                  # weights: before the wait
-    w = tl.load(weight_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    dest = tl.load(dest_ptr + cols, mask=mask, other=0)                 # weights: before the wait
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
-    normed = add_rmsnorm_row(x_ptr, residual_ptr, new_residual_ptr, w, row, src, mask, eps, stride_x, stride_r,
-                             stride_nr, HIDDEN, HAS_RESIDUAL, out_ptr.dtype.element_ty)   # the sum stored at src
-    tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    normed = add_rmsnorm_row(x_ptr, residual_ptr, new_residual_ptr, w, row, cols, mask, eps, stride_x, stride_r,
+                             stride_nr, HIDDEN, HAS_RESIDUAL, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + dest, normed.to(out_ptr.dtype.element_ty), mask=mask)   # scattered
 
 # %% ../nbs/08_quant.ipynb #a0c7e1d3
 def add_rmsnorm_gather(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       perm: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       perm: torch.Tensor, pdl: bool = False, dest: torch.Tensor | None = None) -> tuple:
     """(`add_rmsnorm`'s output [T, H] with its columns in the order `perm` [H], the new residual: x + residual, or x
-    itself without one)."""
+    itself without one). `dest`: perm's inverse, where each column goes (a layer keeps it; None: computed here)."""
     T, H = x.shape
     if x.stride(-1) != 1 or not weight.is_contiguous(): raise ValueError("add_rmsnorm_gather: x and weight must be contiguous along H")
     out = torch.empty_like(x)
     new_residual = torch.empty_like(x) if residual is not None else x
     if T:
-        r = residual if residual is not None else x
-        add_rmsnorm_gather_kernel[(T,)](x, r, weight, perm, out, new_residual, eps, x.stride(0), r.stride(0),
+        r, dest = residual if residual is not None else x, torch.argsort(perm) if dest is None else dest
+        add_rmsnorm_gather_kernel[(T,)](x, r, weight, dest, out, new_residual, eps, x.stride(0), r.stride(0),
                                         out.stride(0), new_residual.stride(0), HIDDEN=H, BLOCK=triton.next_power_of_2(H),
                                         HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out, new_residual

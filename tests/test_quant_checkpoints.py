@@ -86,13 +86,22 @@ def test_act_order_gathers_once_a_layer_on_the_kernels(tmp_path, monkeypatch):
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
+def test_an_act_order_layer_keeps_where_each_input_goes(tmp_path):
+    "`input_dest`, the inverse of `input_perm` (the norm's kernel scatters to it), derived at load, not saved."
+    write_quantized(tmp_path, "gptq", True, vocab=VOCAB)
+    m = load_quantized_model(tmp_path, read_checkpoint_quant(tmp_path), torch.float32)
+    act = [mod for mod in m.modules() if isinstance(mod, QuantLinear) and mod.input_perm is not None]
+    assert act and all(torch.equal(mod.input_dest[mod.input_perm], torch.arange(mod.in_features)) for mod in act)
+    assert not any(k.endswith("input_dest") for k in m.state_dict())
+
+
 GATHER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import nanoserve.quant as Q
 k = Q.add_rmsnorm_gather_kernel
-sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "perm_ptr": "*i64", "out_ptr": "*bf16",
+sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "dest_ptr": "*i64", "out_ptr": "*bf16",
        "new_residual_ptr": "*bf16", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_nr": "i32"}
 consts = {"HIDDEN": 3584, "BLOCK": 4096, "HAS_RESIDUAL": True, "PDL": True}
 src = ASTSource(fn=k, signature={n: sig.get(n, "constexpr") for n in k.arg_names},
@@ -104,7 +113,7 @@ print(ptx.count("griddepcontrol.wait"), ptx.count("ld.global") - body.count("ld.
 
 
 def test_the_gathering_norm_compiles_for_hopper():
-    """`add_rmsnorm_gather_kernel` in bf16 with PDL, compiled for sm_90 on the CPU: one wait, the permutation and the
+    """`add_rmsnorm_gather_kernel` in bf16 with PDL, compiled for sm_90 on the CPU: one wait, the destinations and the
     norm's weight (weights) loaded before it, the sum and the output stored after it."""
     from helpers import compiled_run
     waits, loads_before, stores_after = map(int, compiled_run(GATHER_COMPILE).split())
