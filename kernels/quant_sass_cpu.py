@@ -81,6 +81,8 @@ VARIANTS = {
     # before down (the output projection takes its input as it is: no row)
     "int4 (table now), input made": ("int4", NOW, None),
     "int8 (table now), input made": ("int8", NOW, None),
+    # the same, ptxas capped at 64-80 registers (the made INT4 gate/up takes 96, the plain one 56)
+    **{f"int4 (table now), input made, MAXNREG {r}": ("int4", (NOW, {"MAXNREG": r}), None) for r in (64, 72, 80)},
 }
 MADE = {"qkv": 1, "gate_up": 1, "down": 2}                             # IN: the norm (with a residual), SiLU x up
 SMOKE_ROWS = (("gate_up", "int8"), ("o", "int4 zero point in pairs"), ("o", "int4 pairs (shipped)"))
@@ -194,6 +196,16 @@ def global_loads(sass: str) -> dict[str, dict[str, int]]:
 
 
 # ---- counting ----------------------------------------------------------------------------------------------------
+def is_now(cfg) -> bool:
+    "Whether a variant's config is the table now (NOW, or (NOW, options over it))."
+    return cfg == NOW or (isinstance(cfg, tuple) and cfg[0] == NOW)
+
+
+def now_config(cfg) -> dict:
+    "The options a table-now variant sets over the table ({}: none)."
+    return cfg[1] if isinstance(cfg, tuple) else {}
+
+
 def variant_launch(N: int, K: int, name: str):
     "(method, config, is GEMM, fork, the launch) of one variant on one layer, as `compile_one_row` will compile it."
     method, cfg, fork = VARIANTS[name]
@@ -202,7 +214,7 @@ def variant_launch(N: int, K: int, name: str):
     if gemm:
         cfg = Q.quant_tables()["few_rows_gemm"][(method, N, K)]
         return method, cfg, True, fork, gemm_launch(1, N, K, method, group, 132, cfg, interpret=False)
-    cfg = {} if cfg == NOW else {**LATER_OFF, **FIRST_TABLE[(method, N, K)], **cfg}
+    cfg = now_config(cfg) if is_now(cfg) else {**LATER_OFF, **FIRST_TABLE[(method, N, K)], **cfg}
     return method, cfg, False, fork, gemv_launch(1, N, K, method, group, torch.bfloat16, 132, cfg, pdl=True,
                                                  interpret=False)
 
@@ -210,9 +222,9 @@ def variant_launch(N: int, K: int, name: str):
 def compiled(N: int, K: int, name: str, method: str, cfg: dict, gemm: bool, fork: str | None):
     "The compiled kernel of a variant: the package's (the older variants on rows), or this script's fork."
     group = 128 if method == "int4" else None
-    tile = None if VARIANTS[name][1] == NOW else 0     # the older variants read rows (the tiled layout came later)
+    tile = None if is_now(VARIANTS[name][1]) else 0    # the older variants read rows (the tiled layout came later)
     extra = {} if fork is None else {"kernel": pairs_fork_kernel, "extra": {"DOT": fork == "dot"}}
-    if name.endswith("input made"):
+    if "input made" in name:
         made = MADE[next(layer for layer, shape in LAYERS_7B.items() if shape == (N, K))]
         row_w = triton.next_power_of_2(K // 2) if made == 1 else 1
         extra = {"extra": {"IN": made, "HAS_RESIDUAL": made == 1, "ROW_W": row_w}}
@@ -237,7 +249,7 @@ def count(N: int, K: int, name: str) -> dict:
     return {"layer_N_K": [N, K], "variant": name, "config": {k: c[k] for k in shown}
             | {"num_warps": run["num_warps"], "grid": list(run["grid"]), "tiles_per_split": run["tiles_per_split"],
                "shift_lanes": bool(cfg.get("SHIFT")), "kernel": kernel},
-            "registers": usage["REG"], "shared_bytes": usage.get("SHARED", 0),
+            "registers": usage["REG"], "shared_bytes": usage.get("SHARED", 0), "stack_bytes": usage.get("STACK", 0),
             "programs_per_sm_by_registers": min(by_regs, MAX_PROGRAMS_PER_SM, MAX_WARPS_PER_SM // run["num_warps"]),
             "loop_instructions": len(loop), "weights_per_thread_per_trip": per_trip,
             "loop_instructions_per_weight": round(len(loop) / per_trip, 3),
@@ -289,7 +301,7 @@ def main():
     else:
         cases = [(N, K, name) for layer, (N, K) in LAYERS_7B.items() for name in VARIANTS
                  if (VARIANTS[name][1] != "gemm" or (VARIANTS[name][0], N, K) in Q.quant_tables()["few_rows_gemm"])
-                 and (layer in MADE or not name.endswith("input made"))]
+                 and (layer in MADE or "input made" not in name)]
     rows = []
     for N, K, name in cases:
         rows.append(count(N, K, name)); show(rows[-1])
