@@ -1366,12 +1366,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
         self.register_buffer("input_perm", input_perm)   # inputs in this order first (a GPTQ act-order checkpoint's)
-        self.register_buffer("input_dest", None if input_perm is None else torch.argsort(input_perm),
-                             persistent=False)           # its inverse: where each input goes (`add_rmsnorm_gather`)
+        self.register_buffer("input_dest", None if input_perm is None else torch.argsort(input_perm), persistent=False)
         self.kernels: bool | None = None        # None: the Triton kernels exactly when the input is on a GPU
         self.pdl = False                        # True: the GEMV uses programmatic dependent launch
-        self.fuse_input: bool | None = None     # one row's GEMV makes its own input where it can (`fuses_input`);
-                                                # None: where measured faster (`made_by_default`)
+        self.fuse_input: bool | None = None     # one row's GEMV makes its input where it can (None: `made_by_default`)
         self.tuned = tuned                      # the GEMV entry in place of the tuned table's (None: the table's)
 
     @classmethod
@@ -1441,7 +1439,8 @@ def _fuses_input(self: QuantLinear, x: torch.Tensor) -> bool:
 # %% ../nbs/08_quant.ipynb #5f1a7c1a
 def _norm_forward(self: QuantLinear, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
     """(self(norm(x + residual)), x + residual), x itself the new residual without one: one GEMV; in act order the
-    norm's kernel writes its output in the layer's input order, and the product follows."""
+    norm's kernel writes its output in the layer's input order (each column to `input_dest`, the order's inverse,
+    derived at construction and not saved), and the product follows."""
     if self.input_perm is not None:
         y, residual = add_rmsnorm_gather(x, residual, norm.weight, norm.eps, self.input_perm, self.pdl, self.input_dest)
         return self.matmul(y), residual
