@@ -21,9 +21,9 @@ In the tutorials' order:
   rows, teacher-forced: relative logit error, KL, top-1 agreement, perplexity);
 - workload: Qwen3-0.6B (random bf16 weights) on nano-vllm's workload with a bf16 and each one-byte cache (and
   `--workload-variants`: the fp8 cache at 64-key decode tiles), engines in one process with the same number of
-  blocks (neither preempts at the default 32,768; `--sequential` builds one engine at a time, for a card that holds
-  one), interleaved, fresh requests each round (the same for every engine within a round), prefill included:
-  output tokens/s;
+  blocks (neither preempts at the default 32,768; `--sequential`, or a card under 120 GB at that default, builds
+  one engine at a time), interleaved, fresh requests each round (the same for every engine within a round),
+  prefill included: output tokens/s;
 - poisson: the benchmark chapter's Poisson workload (0.5B shape, lognormal lengths, 64 requests, 32 slots) at
   `--rate` through `nanoserve.bench.run_benchmark`, with `--blocks` bf16 blocks and twice as many fp8 blocks (the
   same bytes): preemptions, recomputed tokens and throughput.
@@ -193,10 +193,13 @@ def part_workload(res, args, device, smoke):
     variants = {"auto": {}, **{c: {"kv_cache_dtype": c} for c in args.caches},
                 **{v: WORKLOAD_VARIANTS[v] for v in args.workload_variants}}
     make = lambda v: LLM(model_dir, **kw, **variants[v])
-    engines = {} if args.sequential else {v: make(v) for v in variants}
+    sequential = args.sequential or (device.type == "cuda" and args.workload_blocks >= 32768
+                                     and torch.cuda.get_device_properties(device).total_memory < 120e9)
+    if sequential and not args.sequential: print("workload: one engine at a time (this card holds one)", flush=True)
+    engines = {} if sequential else {v: make(v) for v in variants}
     vocab, max_len = model_limits(model_dir, {})
     out = {"model": "tiny" if smoke else "qwen3-0.6B", "engine_kwargs": kw, "variants": variants,
-           "sequential": args.sequential, "rounds": [],
+           "sequential": sequential, "rounds": [],
            "numerator": "output tokens actually generated (EOS ignored, every request to its max_tokens)"}
     workload = lambda seed: nanovllm_requests(vocab, max_len, smoke=smoke, seed=seed)
 
