@@ -3,7 +3,7 @@ every row) against what the engine runs at those rows now: cuBLAS (`F.linear`; f
 first), and at one row `gemv` itself. A lead for speculative verify steps (a verify row of 1 + k is k + 1 rows of one
 sequence) and decode steps of 2-8 sequences, bound by reading the weights like one row.
 
-    PYTHONPATH=. python kernels/gemv_rows_h200.py --out figures/data [--parts count,check,time] [--rows 1,2,5,8]
+    PYTHONPATH=. python kernels/gemv_rows_h200.py --out figures/data [--parts count,check,time,dot] [--rows 1,2,5,8]
 
 Parts, in the tutorials' order:
 - count: each layer of the 0.5B and 7B shapes at each row count compiled for sm_90 (Triton's own ptxas; runs on any
@@ -16,6 +16,9 @@ SiLU x up made as the inputs load; split-K merged by the last split (`finish_spl
   the run).
 - time: µs a call, `lab.graph_bench` (CUDA graphs over copies of the weights that overflow L2, two passes, flagged
   when they disagree by more than 15%), `gemv_rows` and cuBLAS interleaved per case, `gemv` at one row beside them.
+- dot: `gemm_rows`, the same loop with the products on the tensor cores (`tl.dot` of 16 rows, padded, by each
+  weight tile, loaded in bf16), in each of `GEMM_ROWS_CONFIGS` against cuBLAS at `--dot-rows`, `gemv` at one row
+  beside them as the floor to reach (the weights read once for every row).
 The speculative chapter's notes predict the 7B verify step from these: a verify row of 1 + 4 is 5 rows.
 `--smoke`: fp32, one tiny layer, under the interpreter (check and time; count needs the compiler).
 """
@@ -77,6 +80,67 @@ def gemv_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, 
                 * _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)[None, :, :])
     finish_split(sum_last(acc, 2), bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
                  pid_k, tl.num_programs(1), HAS_BIAS, SPLIT)
+
+@triton.jit
+def _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
+    "One `[BLOCK_N, BLOCK_K]` weight tile in its own dtype (the tensor cores take it as it is)."
+    if EVEN:
+        return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :])
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n < N)[:, None] & (kk < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def gemm_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, tiles_per_split, stride_xm,
+                     stride_wn, stride_om, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    "`gemv_rows_kernel`'s loop with the products on the tensor cores: `tl.dot` of 16 rows (padded) by a weight tile."
+    pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
+    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
+    w = _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                     # [BLOCK_N, BLOCK_K]
+    pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
+    x = _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT).to(w_ptr.dtype.element_ty)     # [BLOCK_M, BLOCK_K]
+    acc = tl.dot(x, tl.trans(w))                                                              # [BLOCK_M, BLOCK_N]
+    for t in range(t_begin + 1, t_end):
+        kk = t * BLOCK_K + k
+        x = _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT).to(w_ptr.dtype.element_ty)
+        acc += tl.dot(x, tl.trans(_weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)))
+    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
+                 pid_k, tl.num_programs(1), HAS_BIAS, SPLIT)
+
+GEMM_ROWS_CONFIGS = ({"BLOCK_N": 32, "BLOCK_K": 128}, {"BLOCK_N": 64, "BLOCK_K": 128}, {"BLOCK_N": 32, "BLOCK_K": 256},
+                     {"BLOCK_N": 64, "BLOCK_K": 256}, {"BLOCK_N": 128, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 256})
+GEMM_MAX_ROWS = 16                               # one `tl.dot` of 16 rows: the tensor cores' smallest M
+
+
+def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
+              config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+    "`gemv_rows` on the tensor cores: `x` [M, K] (M <= 16) @ `weight`.T [N, K] (+ `bias`) -> [M, N]."
+    (M, width), (N, K) = x.shape, weight.shape
+    if not 1 <= M <= GEMM_MAX_ROWS or width != (2 * K if act else K):
+        raise ValueError(f"gemm_rows: expected x of shape (1..{GEMM_MAX_ROWS}, {2 * K if act else K}), "
+                         f"got {tuple(x.shape)}")
+    cfg = {**gemv_rule(N, K, num_sms(x.device), {**GEMM_ROWS_CONFIGS[1], **(config or {})}), "BLOCK_M": 16}
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    split, n_tiles = cfg["SPLIT_K"] > 1, triton.cdiv(N, cfg["BLOCK_N"])
+    part = torch.empty(cfg["SPLIT_K"], M, N, dtype=torch.float32, device=x.device) if split else out   # [S, M, N]
+    counters = split_counters(x.device, n_tiles) if split else out
+    gemm_rows_kernel[(n_tiles, cfg["SPLIT_K"])](
+        x, weight, bias if bias is not None else weight, out, part, counters, M, N, K, cfg["tiles_per_split"],
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_M=16,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
+    return out
+
 
 GEMV_MAX_ROWS = 8                                # rows `gemv_rows` takes (beyond: a GEMM's tiles)
 
@@ -180,6 +244,42 @@ def check(res, args, device, dtype) -> None:
             out.append({"shape": shape, "layer": name, "rows": M, "rel_err": err})
             assert err < 0.02, (shape, name, M, err)
     print("check:", max(r["rel_err"] for r in out), "largest relative error", flush=True)
+    x, w = operands(40, 96, 3, True, device, torch.float32)                   # masked tails, SiLU x up, split
+    assert rel_err(gemm_rows(x, w, act=True, config={"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3}),
+                   cublas(x, w, True)) < 1e-2
+    for shape, name, N, K, act in layers(args):
+        for M in args.dot_rows:
+            x, w = operands(N, K, M, act, device, dtype)
+            for cfg in GEMM_ROWS_CONFIGS[:1] if is_smoke(args) else GEMM_ROWS_CONFIGS:
+                err = rel_err(gemm_rows(x, w, act=act, config=cfg), cublas(x, w, act))
+                out.append({"shape": shape, "layer": name, "rows": M, "kernel": "gemm_rows", "config": cfg,
+                            "rel_err": err})
+                assert err < 0.02, (shape, name, M, cfg, err)
+    print("check gemm_rows:", max(r["rel_err"] for r in out if r.get("kernel")), "largest relative error", flush=True)
+
+
+def time_dot(res, args, device, dtype) -> None:
+    "`gemm_rows` in each configuration against cuBLAS at `--dot-rows`, with `gemv` at one row as the floor to beat."
+    out = res.setdefault("dot", [])
+    for shape, name, N, K, act in layers(args):
+        nbytes = N * K * torch.finfo(dtype).bits // 8
+        x1, w = operands(N, K, 1, act, device, dtype)
+        one_row = median(graph_bench(lambda i: (lambda: gemv(x1, w, act=act)), nbytes, device=device))
+        for M in args.dot_rows:
+            x, w = operands(N, K, M, act, device, dtype)
+            calls = {"cuBLAS": lambda i: (lambda: cublas(x, w, act))}
+            for j, cfg in enumerate(GEMM_ROWS_CONFIGS[:1] if is_smoke(args) else GEMM_ROWS_CONFIGS):
+                calls[f"gemm_rows {cfg['BLOCK_N']}x{cfg['BLOCK_K']}"] = lambda i, cfg=cfg: (
+                    lambda: gemm_rows(x, w, act=act, config=cfg))
+            us = {k: graph_bench(c, nbytes, device=device) for k, c in calls.items()}
+            best = min((k for k in us if k != "cuBLAS"), key=lambda k: median(us[k]))
+            row = {"shape": shape, "layer": name, "rows": M, "us": us, "gemv_one_row_us": one_row, "best": best,
+                   "disagree": any(disagree(*v) for v in us.values() if len(v) > 1),
+                   "best_over_cublas": median(us[best]) / median(us["cuBLAS"]),
+                   "best_over_one_row": median(us[best]) / one_row}
+            out.append(row)
+            print(f"{shape} {name} x{M}: {best} {median(us[best]):.1f} us, cuBLAS {median(us['cuBLAS']):.1f}, "
+                  f"gemv at one row {one_row:.1f} ({row['best_over_cublas']:.2f}x cuBLAS)", flush=True)
 
 
 def time_rows(res, args, device, dtype) -> None:
@@ -203,10 +303,12 @@ def time_rows(res, args, device, dtype) -> None:
 
 
 def main():
-    ap = parser(__doc__, parts="count,check,time")
+    ap = parser(__doc__, parts="count,check,time,dot")
     ap.add_argument("--rows", default="1,2,3,5,8", help="row counts, comma-separated (1-8)")
+    ap.add_argument("--dot-rows", default="5,9,16", help="`gemm_rows`'s row counts, comma-separated (1-16)")
     args = ap.parse_args()
     args.rows = [int(r) for r in args.rows.split(",")]
+    args.dot_rows = [int(r) for r in args.dot_rows.split(",")]
     smoke = is_smoke(args)
     parts_asked = set(args.parts.split(","))
     if smoke:                                   # under the interpreter there is no compiler to count with
@@ -214,9 +316,9 @@ def main():
         args.parts = ",".join(p for p in args.parts.split(",") if p != "count")
     device = torch.device("cpu") if parts_asked == {"count"} else device_or_skip(args)
     dtype = torch.float32 if smoke else torch.bfloat16
-    res = {"what": "gemv_rows against cuBLAS (and gemv at one row), bf16"}
+    res = {"what": "gemv_rows and gemm_rows (the tensor cores) against cuBLAS (and gemv at one row), bf16"}
     parts = {"count": lambda: count(res, args), "check": lambda: check(res, args, device, dtype),
-             "time": lambda: time_rows(res, args, device, dtype)}
+             "time": lambda: time_rows(res, args, device, dtype), "dot": lambda: time_dot(res, args, device, dtype)}
     run_parts(parts, args.parts, saver(NAME, res, args))
 
 
