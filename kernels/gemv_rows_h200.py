@@ -32,7 +32,8 @@ import torch.nn.functional as F                                                 
 import triton                                                                            # noqa: E402
 import triton.language as tl                                                             # noqa: E402
 
-from nanoserve.fused import _gemv_weights, gemv, gemv_config, gemv_rule, silu_mul        # noqa: E402
+from nanoserve.fused import (_gemv_weights, _normed, add_rmsnorm, add_rmsnorm_ref, gemv, gemv_config, gemv_rule,  # noqa: E402
+                             silu_mul)
 from nanoserve.runtime import (finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,  # noqa: E402
                                split_counters, sum_last)
 
@@ -41,7 +42,8 @@ LAYERS = {"0.5B": {"qkv_proj": (1152, 896, False), "o_proj": (896, 896, False), 
                    "down_proj": (896, 4864, True)},
           "7B": {"qkv_proj": (4608, 3584, False), "o_proj": (3584, 3584, False), "gate_up_proj": (37888, 3584, False),
                  "down_proj": (3584, 18944, True)}}
-SMOKE_LAYERS = {"tiny": {"down_proj": (64, 256, True)}}
+SMOKE_LAYERS = {"tiny": {"down_proj": (64, 256, True), "qkv_proj": (48, 128, False)}}
+NORM_FED = ("qkv_proj", "gate_up_proj")         # the layers whose input is an RMSNorm's output
 
 
 @triton.jit
@@ -91,11 +93,47 @@ def _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _rows_rstd(x_ptr, res_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    "`[BLOCK_M]` 1 / RMS of rows `offs_m` of x (+ res, rounded as `add_rmsnorm` rounds), K in `BLOCK_K` chunks."
+    ss = tl.zeros((offs_m.shape[0],), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m < M)[:, None] & (kk < K)[None, :]
+        rows = offs_m[:, None] * stride_xm + kk[None, :]
+        v = tl.load(x_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            v = (v + tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            v = v.to(tl.float32)
+        ss += tl.sum(v * v, 1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store,
+               ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """`[BLOCK_M, BLOCK_K]` fp32 inputs: `_rows_inputs`, or with `NORM` the rows (+ res; where `store`, the sum
+    written to `new_res`) normalised by `rstd` and times the norm's weight, as `add_rmsnorm` computes them."""
+    if NORM:
+        mask = (offs_m < M)[:, None] & (kk < K)[None, :]
+        rows = offs_m[:, None] * stride_xm + kk[None, :]
+        x = tl.load(x_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        r = x
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            tl.store(new_res_ptr + rows, (x + r).to(x_ptr.dtype.element_ty), mask=mask & store)
+        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return _normed(x, r, nw[None, :], rstd[:, None], x_ptr.dtype.element_ty, HAS_RESIDUAL)
+    return _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT)
+
+
+@triton.jit
 def gemm_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, tiles_per_split, stride_xm,
-                     stride_wn, stride_om, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     stride_wn, stride_om, res_ptr, new_res_ptr, norm_w_ptr, eps,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    "`gemv_rows_kernel`'s loop with the products on the tensor cores: `tl.dot` of 16 rows (padded) by a weight tile."
+                     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
+    """`gemv_rows_kernel`'s loop with the products on the tensor cores: `tl.dot` of 16 rows (padded) by a weight tile;
+    with `NORM`, each program normalises the rows it takes (their 1 / RMS over the whole K first)."""
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,14 +145,21 @@ def gemm_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, 
     kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
     w = _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                     # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
-    x = _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT).to(w_ptr.dtype.element_ty)     # [BLOCK_M, BLOCK_K]
-    acc = tl.dot(x, tl.trans(w))                                                              # [BLOCK_M, BLOCK_N]
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    if NORM:
+        rstd = _rows_rstd(x_ptr, res_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K, HAS_RESIDUAL)      # [BLOCK_M]
+    store = pid_n == 0                          # the first column of programs writes the new residual
+    x = _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store, ACT, NORM,
+                   HAS_RESIDUAL)
+    acc = tl.dot(x.to(w_ptr.dtype.element_ty), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
     for t in range(t_begin + 1, t_end):
         kk = t * BLOCK_K + k
-        x = _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT).to(w_ptr.dtype.element_ty)
-        acc += tl.dot(x, tl.trans(_weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)))
+        x = _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store, ACT,
+                       NORM, HAS_RESIDUAL)
+        acc += tl.dot(x.to(w_ptr.dtype.element_ty), tl.trans(_weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)))
     finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
                  pid_k, tl.num_programs(1), HAS_BIAS, SPLIT)
+
 
 GEMM_ROWS_CONFIGS = ({"BLOCK_N": 32, "BLOCK_K": 128}, {"BLOCK_N": 64, "BLOCK_K": 128}, {"BLOCK_N": 32, "BLOCK_K": 256},
                      {"BLOCK_N": 64, "BLOCK_K": 256}, {"BLOCK_N": 128, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 256})
@@ -122,24 +167,29 @@ GEMM_MAX_ROWS = 16                               # one `tl.dot` of 16 rows: the 
 
 
 def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-              config: dict | None = None, pdl: bool = False) -> torch.Tensor:
-    "`gemv_rows` on the tensor cores: `x` [M, K] (M <= 16) @ `weight`.T [N, K] (+ `bias`) -> [M, N]."
+              config: dict | None = None, pdl: bool = False, norm: tuple | None = None,
+              residual: torch.Tensor | None = None):
+    """`gemv_rows` on the tensor cores: `x` [M, K] (M <= 16) @ `weight`.T [N, K] (+ `bias`) -> [M, N]. With `norm`
+    = (weight [K], eps): RMSNorm of x (+ `residual`) made inside, `(out, new residual)` returned, as `gemv`'s."""
     (M, width), (N, K) = x.shape, weight.shape
-    if not 1 <= M <= GEMM_MAX_ROWS or width != (2 * K if act else K):
+    if not 1 <= M <= GEMM_MAX_ROWS or width != (2 * K if act else K) or (act and norm is not None):
         raise ValueError(f"gemm_rows: expected x of shape (1..{GEMM_MAX_ROWS}, {2 * K if act else K}), "
-                         f"got {tuple(x.shape)}")
+                         f"got {tuple(x.shape)}" + (" with both act and norm" if act and norm is not None else ""))
     cfg = {**gemv_rule(N, K, num_sms(x.device), {**GEMM_ROWS_CONFIGS[1], **(config or {})}), "BLOCK_M": 16}
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else x                                  # [M, K]
     split, n_tiles = cfg["SPLIT_K"] > 1, triton.cdiv(N, cfg["BLOCK_N"])
     part = torch.empty(cfg["SPLIT_K"], M, N, dtype=torch.float32, device=x.device) if split else out   # [S, M, N]
     counters = split_counters(x.device, n_tiles) if split else out
     gemm_rows_kernel[(n_tiles, cfg["SPLIT_K"])](
         x, weight, bias if bias is not None else weight, out, part, counters, M, N, K, cfg["tiles_per_split"],
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, ACT=act, BLOCK_M=16,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
-        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, PDL=pdl,
+        x.stride(0), weight.stride(0), out.stride(0), residual if residual is not None else x, new_residual,
+        norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
+        HAS_BIAS=bias is not None, ACT=act, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
-    return out
+    return out if norm is None else (out, new_residual)
 
 
 GEMV_MAX_ROWS = 8                                # rows `gemv_rows` takes (beyond: a GEMM's tiles)
@@ -255,7 +305,18 @@ def check(res, args, device, dtype) -> None:
                 out.append({"shape": shape, "layer": name, "rows": M, "kernel": "gemm_rows", "config": cfg,
                             "rel_err": err})
                 assert err < 0.02, (shape, name, M, cfg, err)
+    x, w = operands(40, 96, 3, False, device, torch.float32)                  # the norm made inside, split
+    r, nw = torch.randn_like(x), 1.0 + 0.1 * torch.randn(96, device=device)
+    got, got_res = gemm_rows(x, w, config={"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3}, norm=(nw, 1e-6), residual=r)
+    want, want_res = made_ref(x, w, nw, r)
+    assert rel_err(got, want) < 1e-5 and torch.equal(got_res, want_res)
     print("check gemm_rows:", max(r["rel_err"] for r in out if r.get("kernel")), "largest relative error", flush=True)
+
+
+def made_ref(x, w, nw, r, eps: float = 1e-6):
+    "What the engine runs before a verify step's norm-fed products now: `add_rmsnorm`, then cuBLAS's product."
+    h, res = add_rmsnorm(x, r, nw, eps) if x.is_cuda else add_rmsnorm_ref(x, r, nw, eps)
+    return F.linear(h, w), res
 
 
 def time_dot(res, args, device, dtype) -> None:
@@ -269,7 +330,7 @@ def time_dot(res, args, device, dtype) -> None:
             x, w = operands(N, K, M, act, device, dtype)
             calls = {"cuBLAS": lambda i: (lambda: cublas(x, w, act))}
             for j, cfg in enumerate(GEMM_ROWS_CONFIGS[:1] if is_smoke(args) else GEMM_ROWS_CONFIGS):
-                calls[f"gemm_rows {cfg['BLOCK_N']}x{cfg['BLOCK_K']}"] = lambda i, cfg=cfg: (
+                calls[f"gemm_rows {cfg['BLOCK_N']}x{cfg['BLOCK_K']} {j}"] = lambda i, cfg=cfg: (
                     lambda: gemm_rows(x, w, act=act, config=cfg))
             us = {k: graph_bench(c, nbytes, device=device) for k, c in calls.items()}
             best = min((k for k in us if k != "cuBLAS"), key=lambda k: median(us[k]))
@@ -277,9 +338,20 @@ def time_dot(res, args, device, dtype) -> None:
                    "disagree": any(disagree(*v) for v in us.values() if len(v) > 1),
                    "best_over_cublas": median(us[best]) / median(us["cuBLAS"]),
                    "best_over_one_row": median(us[best]) / one_row}
+            if name in NORM_FED:                      # the norm made inside against the norm kernel + cuBLAS
+                r, nw = torch.randn_like(x), torch.ones(K, device=device, dtype=dtype)
+                cfg = GEMM_ROWS_CONFIGS[int(best.split()[-1])]
+                made = {"norm + cuBLAS": lambda i: (lambda: made_ref(x, w, nw, r)),
+                        "gemm_rows, norm made": lambda i: (lambda: gemm_rows(x, w, config=cfg, norm=(nw, 1e-6),
+                                                                             residual=r))}
+                row["made_us"] = {k: graph_bench(c, nbytes, device=device) for k, c in made.items()}
+                row["made_over_apart"] = (median(row["made_us"]["gemm_rows, norm made"])
+                                          / median(row["made_us"]["norm + cuBLAS"]))
             out.append(row)
             print(f"{shape} {name} x{M}: {best} {median(us[best]):.1f} us, cuBLAS {median(us['cuBLAS']):.1f}, "
-                  f"gemv at one row {one_row:.1f} ({row['best_over_cublas']:.2f}x cuBLAS)", flush=True)
+                  f"gemv at one row {one_row:.1f} ({row['best_over_cublas']:.2f}x cuBLAS)"
+                  + (f"; norm made {row['made_over_apart']:.2f}x norm + cuBLAS" if "made_us" in row else ""),
+                  flush=True)
 
 
 def time_rows(res, args, device, dtype) -> None:
