@@ -16,10 +16,9 @@ SiLU x up made as the inputs load; split-K merged by the last split (`finish_spl
   the run).
 - time: µs a call, `lab.graph_bench` (CUDA graphs over copies of the weights that overflow L2, two passes, flagged
   when they disagree by more than 15%), `gemv_rows` and cuBLAS interleaved per case, `gemv` at one row beside them.
-- dot: the fused chapter's `gemm_rows`, the same loop with the products on the tensor cores (`tl.dot` of 16 rows,
-  padded, by each weight tile, loaded in bf16), in each of `GEMM_ROWS_CONFIGS` against cuBLAS at `--dot-rows`,
-  `gemv` at one row beside them as the floor to reach (the weights read once for every row); for the QKV and
-  gate/up layers also with the norm made inside against `add_rmsnorm` + cuBLAS.
+- dot: `gemm_rows`, the same loop with the products on the tensor cores (`tl.dot` of 16 rows, padded, by each
+  weight tile, loaded in bf16), in each of `GEMM_ROWS_CONFIGS` against cuBLAS at `--dot-rows`, `gemv` at one row
+  beside them as the floor to reach (the weights read once for every row).
 The speculative chapter's notes predict the 7B verify step from these: a verify row of 1 + 4 is 5 rows.
 `--smoke`: fp32, one tiny layer, under the interpreter (check and time; count needs the compiler).
 """
@@ -33,8 +32,8 @@ import torch.nn.functional as F                                                 
 import triton                                                                            # noqa: E402
 import triton.language as tl                                                             # noqa: E402
 
-from nanoserve.fused import (_gemv_weights, add_rmsnorm, add_rmsnorm_ref, gemm_rows, gemv, gemv_config,  # noqa: E402
-                             gemv_rule, silu_mul)
+from nanoserve.fused import (_gemv_weights, _normed, add_rmsnorm, add_rmsnorm_ref, gemv, gemv_config, gemv_rule,  # noqa: E402
+                             silu_mul)
 from nanoserve.runtime import (finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,  # noqa: E402
                                split_counters, sum_last)
 
@@ -84,8 +83,113 @@ def gemv_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, 
     finish_split(sum_last(acc, 2), bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
                  pid_k, tl.num_programs(1), HAS_BIAS, SPLIT)
 
+@triton.jit
+def _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
+    "One `[BLOCK_N, BLOCK_K]` weight tile in its own dtype (the tensor cores take it as it is)."
+    if EVEN:
+        return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :])
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n < N)[:, None] & (kk < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _rows_rstd(x_ptr, res_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    "`[BLOCK_M]` 1 / RMS of rows `offs_m` of x (+ res, rounded as `add_rmsnorm` rounds), K in `BLOCK_K` chunks."
+    ss = tl.zeros((offs_m.shape[0],), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m < M)[:, None] & (kk < K)[None, :]
+        rows = offs_m[:, None] * stride_xm + kk[None, :]
+        v = tl.load(x_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            v = (v + tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            v = v.to(tl.float32)
+        ss += tl.sum(v * v, 1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store,
+               ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """`[BLOCK_M, BLOCK_K]` fp32 inputs: `_rows_inputs`, or with `NORM` the rows (+ res; where `store`, the sum
+    written to `new_res`) normalised by `rstd` and times the norm's weight, as `add_rmsnorm` computes them."""
+    if NORM:
+        mask = (offs_m < M)[:, None] & (kk < K)[None, :]
+        rows = offs_m[:, None] * stride_xm + kk[None, :]
+        x = tl.load(x_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        r = x
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            tl.store(new_res_ptr + rows, (x + r).to(x_ptr.dtype.element_ty), mask=mask & store)
+        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return _normed(x, r, nw[None, :], rstd[:, None], x_ptr.dtype.element_ty, HAS_RESIDUAL)
+    return _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT)
+
+
+@triton.jit
+def gemm_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, tiles_per_split, stride_xm,
+                     stride_wn, stride_om, res_ptr, new_res_ptr, norm_w_ptr, eps,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
+    """`gemv_rows_kernel`'s loop with the products on the tensor cores: `tl.dot` of 16 rows (padded) by a weight tile;
+    with `NORM`, each program normalises the rows it takes (their 1 / RMS over the whole K first)."""
+    pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
+    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
+    w = _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                     # [BLOCK_N, BLOCK_K]
+    pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    if NORM:
+        rstd = _rows_rstd(x_ptr, res_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K, HAS_RESIDUAL)      # [BLOCK_M]
+    store = pid_n == 0                          # the first column of programs writes the new residual
+    x = _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store, ACT, NORM,
+                   HAS_RESIDUAL)
+    acc = tl.dot(x.to(w_ptr.dtype.element_ty), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
+    for t in range(t_begin + 1, t_end):
+        kk = t * BLOCK_K + k
+        x = _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store, ACT,
+                       NORM, HAS_RESIDUAL)
+        acc += tl.dot(x.to(w_ptr.dtype.element_ty), tl.trans(_weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)))
+    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
+                 pid_k, tl.num_programs(1), HAS_BIAS, SPLIT)
+
+
 GEMM_ROWS_CONFIGS = ({"BLOCK_N": 32, "BLOCK_K": 128}, {"BLOCK_N": 64, "BLOCK_K": 128}, {"BLOCK_N": 32, "BLOCK_K": 256},
                      {"BLOCK_N": 64, "BLOCK_K": 256}, {"BLOCK_N": 128, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 256})
+GEMM_MAX_ROWS = 16                               # one `tl.dot` of 16 rows: the tensor cores' smallest M
+
+
+def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
+              config: dict | None = None, pdl: bool = False, norm: tuple | None = None,
+              residual: torch.Tensor | None = None):
+    """`gemv_rows` on the tensor cores: `x` [M, K] (M <= 16) @ `weight`.T [N, K] (+ `bias`) -> [M, N]. With `norm`
+    = (weight [K], eps): RMSNorm of x (+ `residual`) made inside, `(out, new residual)` returned, as `gemv`'s."""
+    (M, width), (N, K) = x.shape, weight.shape
+    if not 1 <= M <= GEMM_MAX_ROWS or width != (2 * K if act else K) or (act and norm is not None):
+        raise ValueError(f"gemm_rows: expected x of shape (1..{GEMM_MAX_ROWS}, {2 * K if act else K}), "
+                         f"got {tuple(x.shape)}" + (" with both act and norm" if act and norm is not None else ""))
+    cfg = {**gemv_rule(N, K, num_sms(x.device), {**GEMM_ROWS_CONFIGS[1], **(config or {})}), "BLOCK_M": 16}
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else x                                  # [M, K]
+    split, n_tiles = cfg["SPLIT_K"] > 1, triton.cdiv(N, cfg["BLOCK_N"])
+    part = torch.empty(cfg["SPLIT_K"], M, N, dtype=torch.float32, device=x.device) if split else out   # [S, M, N]
+    counters = split_counters(x.device, n_tiles) if split else out
+    gemm_rows_kernel[(n_tiles, cfg["SPLIT_K"])](
+        x, weight, bias if bias is not None else weight, out, part, counters, M, N, K, cfg["tiles_per_split"],
+        x.stride(0), weight.stride(0), out.stride(0), residual if residual is not None else x, new_residual,
+        norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
+        HAS_BIAS=bias is not None, ACT=act, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split,
+        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
+    return out if norm is None else (out, new_residual)
 
 
 GEMV_MAX_ROWS = 8                                # rows `gemv_rows` takes (beyond: a GEMM's tiles)

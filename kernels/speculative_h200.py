@@ -3,13 +3,12 @@
 Parts (`--parts`, in this order):
 - check: the shipped trained tiny model in fp32, CUDA graphs on: greedy and seeded tokens with prompt lookup and
   with the shipped draft model equal those of the default engine (async scheduling, no speculation), on
-  repetitive and plain prompts; also prompt lookup with `rows_gemv` (verify rows through `gemm_rows`).
+  repetitive and plain prompts.
 - verify: random weights of each `--shapes` shape in bf16, batch 1 in steady decode from 128-token prompts, one
   engine with speculation, synchronous: ms a step of a plain decode step and of a verify step of 1 + k tokens (k of
   `--verify-k`, made-up drafts: a verify step costs the same whether its drafts hold or not), in interleaved passes;
-  beside them the default engine's decode step (async scheduling, no speculation) in the same process, and (unless
-  `--no-rows-gemv`) the same two steps of an engine with `rows_gemv` (2-16-row products as `gemm_rows`, norms and
-  SiLU x up made inside). Issue 30's bar: verify <= 1.15x.
+  beside them the default engine's decode step (async scheduling, no speculation) in the same process. Issue 30's
+  bar: verify <= 1.15x.
 - tiny: the trained tiny model at batch 1, the two workloads of `kernels/speculative_cpu.py` (held-out code, and
   the same prompts followed by their own first tokens: an edit), each request alone: output tokens a second with
   prompt lookup (k 8, the default, and k 4) and with the shipped draft model against the default engine,
@@ -26,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).parent))      # the only sys.path use in t
 from lab import (LLM, SamplingParams, checkpoint, device_or_skip, drain, free, is_smoke, kernel_table, median, parser,
                  profile_run, run_parts, saver, steady_decode, step_ms, sync, tiny_model, warm)
 
-import argparse
 import time
 
 from nanoserve.speculative import SpeculativeConfig
@@ -61,34 +59,22 @@ def verify_rows(res, shapes, args) -> None:
                   max_model_len=2048, num_kv_blocks=2048)         # two engines in one process
         spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), async_scheduling=False, **kw)
         plain = LLM(model_dir, **kw)
-        rows_spec = LLM(model_dir, speculative=SpeculativeConfig(num_speculative_tokens=k), async_scheduling=False,
-                        rows_gemv=True, **kw) if args.rows_gemv else None
-        engines = [e for e in (spec, plain, rows_spec) if e is not None]
-        for llm in engines: steady_decode(llm, 1)
+        for llm in (spec, plain): steady_decode(llm, 1)
         warm(spec.device, 0 if smoke else 2.0)
         got = {"decode": [], "verify": [], "default engine": []}
-        if rows_spec is not None: got.update({"decode, rows gemv": [], "verify, rows gemv": []})
         for _ in range(rounds):        # interleaved passes, each engine kept in steady decode
             got["decode"].append(pass_ms(spec, None, steps))
             got["verify"].append(pass_ms(spec, list(range(3, 3 + k)), steps))
             got["default engine"].append(step_ms(plain, steps))
-            if rows_spec is not None:  # the variant: a verify step's products as `gemm_rows` (`rows_gemv`)
-                got["decode, rows gemv"].append(pass_ms(rows_spec, None, steps))
-                got["verify, rows gemv"].append(pass_ms(rows_spec, list(range(3, 3 + k)), steps))
         row = {"shape": name, "k": k, "steps_a_pass": steps, **{f"{n}_ms": v for n, v in got.items()},
                "verify_over_decode": median(got["verify"]) / median(got["decode"]),
                "verify_over_default": median(got["verify"]) / median(got["default engine"]),
                "mixed_replays": spec.runner.mixed_graphs.num_replays if spec.runner.mixed_graphs else 0}
-        if rows_spec is not None:
-            row["rows_gemv_verify_over_decode"] = median(got["verify, rows gemv"]) / median(got["decode"])
         rows.append(row)
         print(f"{name}: decode {median(got['decode']):.3f} ms, verify 1+{k} {median(got['verify']):.3f} ms "
-              f"({row['verify_over_decode']:.2f}x), default engine {median(got['default engine']):.3f} ms"
-              + (f"; rows gemv: verify {median(got['verify, rows gemv']):.3f} ms "
-                 f"({row['rows_gemv_verify_over_decode']:.2f}x the decode step)" if rows_spec is not None else ""),
-              flush=True)
-        for llm in engines: drain(llm)
-        del spec, plain, rows_spec, engines; free()
+              f"({row['verify_over_decode']:.2f}x), default engine {median(got['default engine']):.3f} ms", flush=True)
+        for llm in (spec, plain): drain(llm)
+        del spec, plain; free()
 
 
 def profile_rows(res, shapes, args, k: int = 4, steps: int = 16) -> None:
@@ -209,16 +195,13 @@ def check(res, args) -> None:
     draft = dict(draft_model=str(model)) if is_smoke(args) else {}       # the random model: itself as its draft
     specs = {"prompt lookup": SpeculativeConfig(), "draft model": SpeculativeConfig("draft", **draft)}
     engines = {n: LLM(model, dtype="float32", speculative=spec, num_kv_blocks=2048) for n, spec in specs.items()}
-    engines["prompt lookup, rows gemv"] = LLM(model, dtype="float32", speculative=SpeculativeConfig(), rows_gemv=True,
-                                              num_kv_blocks=2048)      # verify rows through `gemm_rows`
     out = {}
     for name, sp in (("greedy", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)),
                      ("seeded", SamplingParams(max_tokens=64, temperature=0.8, seed=11, ignore_eos=True))):
         a = [o.token_ids for o in plain.generate(prompts, sp)]
         same = {n: [o.token_ids for o in llm.generate(prompts, sp)] == a for n, llm in engines.items()}
         out[name] = {"tokens": sum(map(len, a)), "same_tokens": same["prompt lookup"],
-                     "same_tokens_draft_model": same["draft model"],
-                     "same_tokens_rows_gemv": same["prompt lookup, rows gemv"]}
+                     "same_tokens_draft_model": same["draft model"]}
     lookup, drafter = engines["prompt lookup"], engines["draft model"]
     out.update(drafted=lookup.num_draft_tokens, accepted=lookup.num_accepted_tokens,
                draft_model_drafted=drafter.num_draft_tokens, draft_model_accepted=drafter.num_accepted_tokens,
@@ -233,8 +216,6 @@ def main():
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--shapes", default="0.5B,7B")
     ap.add_argument("--verify-k", default="4,8", help="verify: the drafts a verify step carries, comma-separated")
-    ap.add_argument("--rows-gemv", action=argparse.BooleanOptionalAction, default=True,
-                    help="verify: also an engine whose 2-16-row products are `gemm_rows` (`rows_gemv`), interleaved")
     args = ap.parse_args()
     device_or_skip(args)
     res = {"what": "speculative decoding with prompt lookup and a draft model: exactness, the verify step's cost, "

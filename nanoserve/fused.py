@@ -20,11 +20,9 @@ from .runtime import (
     pdl_launch_next, pdl_wait, split_counters, split_tiles, sum_last)
 
 # %% auto #0
-__all__ = ['GEMM_MAX_ROWS', 'gemm_rows_ref', 'add_rmsnorm_ref', 'add_rmsnorm_row', 'add_rmsnorm_kernel', 'add_rmsnorm',
-           'silu_mul_ref', 'silu_mul_kernel', 'silu_mul', 'gemv_ref', 'gemv_kernel', 'gemv_table', 'gemv_rule',
-           'gemv_config', 'check_gemv_args', 'gemv', 'gemm_rows_kernel', 'gemm_rows_config', 'check_gemm_rows_args',
-           'gemm_rows', 'gemv_any_rows', 'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows',
-           'load_step_kernel', 'load_step']
+__all__ = ['add_rmsnorm_ref', 'add_rmsnorm_row', 'add_rmsnorm_kernel', 'add_rmsnorm', 'silu_mul_ref', 'silu_mul_kernel',
+           'silu_mul', 'gemv_ref', 'gemv_kernel', 'gemv_table', 'gemv_rule', 'gemv_config', 'check_gemv_args', 'gemv',
+           'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
 
 # %% ../nbs/07_fused.ipynb #1c9f4e27
 def add_rmsnorm_ref(x, residual, weight, eps):
@@ -297,141 +295,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_options(pdl))
     return out if norm is None else (out, new_residual)
-
-# %% ../nbs/07_fused.ipynb #db495f9d
-GEMM_MAX_ROWS = 16                      # rows `gemm_rows` takes: one `tl.dot` of 16, the tensor cores' smallest M
-gemm_rows_ref = gemv_ref                # the torch path is row-agnostic: `silu_mul` or `add_rmsnorm`, then `F.linear`
-
-
-@triton.jit
-def _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN: tl.constexpr):
-    "One `[BLOCK_N, BLOCK_K]` weight tile in its own dtype (the tensor cores take it as it is)."
-    if EVEN:
-        return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :])
-    return tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n < N)[:, None] & (kk < K)[None, :],
-                   other=0.0)
-
-# %% ../nbs/07_fused.ipynb #59c11cff
-@triton.jit
-def _rows_rstd(x_ptr, res_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    "`[BLOCK_M]` 1 / RMS of rows `offs_m` of x (+ res, the sum rounded as `add_rmsnorm` rounds), K in chunks."
-    ss = tl.zeros((offs_m.shape[0],), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_m < M)[:, None] & (kk < K)[None, :]
-        v = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-            v = (v + r).to(x_ptr.dtype.element_ty).to(tl.float32)
-        ss += tl.sum(v * v, 1)
-    return 1.0 / tl.sqrt(ss / K + eps)
-
-# %% ../nbs/07_fused.ipynb #f7167f27
-@triton.jit
-def _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store,
-               ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """`[BLOCK_M, BLOCK_K]` fp32 inputs of rows `offs_m`: the rows; with `ACT` silu(gate) * up of `[M, 2K]` rows; with
-    `NORM` the rows (+ res; where `store`, the sum written to `new_res`) times `rstd` and the norm's weight. Each
-    value rounded where `silu_mul` and `add_rmsnorm` round."""
-    mask = (offs_m < M)[:, None] & (kk < K)[None, :]
-    rows = offs_m[:, None] * stride_xm + kk[None, :]                                  # [BLOCK_M, BLOCK_K]
-    x = tl.load(x_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    if ACT:                                   # x is the gate
-        up = tl.load(x_ptr + rows + K, mask=mask, other=0.0).to(tl.float32)
-        x = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (x * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if NORM:
-        r = x
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-            tl.store(new_res_ptr + rows, (x + r).to(x_ptr.dtype.element_ty), mask=mask & store)
-        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        x = _normed(x, r, nw[None, :], rstd[:, None], x_ptr.dtype.element_ty, HAS_RESIDUAL)
-    return x
-
-# %% ../nbs/07_fused.ipynb #3a4e8a30
-@triton.jit
-def gemm_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, tiles_per_split, stride_xm,
-                     stride_wn, stride_om, res_ptr, new_res_ptr, norm_w_ptr, eps,
-                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr = False,
-                     HAS_RESIDUAL: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
-                     PDL: tl.constexpr = False):
-    pdl_launch_next(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    t_begin = pid_k * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
-    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
-    w = _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                     # [BLOCK_N, BLOCK_K]
-    pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
-    rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if NORM:                                    # every program normalises whole rows
-        rstd = _rows_rstd(x_ptr, res_ptr, offs_m, M, K, stride_xm, eps, BLOCK_K, HAS_RESIDUAL)      # [BLOCK_M]
-    store = pid_n == 0                          # the first column of programs writes the new residual
-    x = _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store, ACT, NORM,
-                   HAS_RESIDUAL).to(w_ptr.dtype.element_ty)                        # [BLOCK_M, BLOCK_K]
-    acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)                        # [BLOCK_M, BLOCK_N]
-    for t in range(t_begin + 1, t_end):
-        kk = t * BLOCK_K + k
-        x = _made_rows(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, offs_m, kk, M, K, stride_xm, rstd, store, ACT,
-                       NORM, HAS_RESIDUAL).to(w_ptr.dtype.element_ty)
-        w = _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-    finish_split(acc, bias_ptr, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k,
-                 tl.num_programs(1), HAS_BIAS, SPLIT)
-
-# %% ../nbs/07_fused.ipynb #43cdd239
-def gemm_rows_config(N: int, K: int, sms: int, config: dict | None = None) -> dict:
-    "Blocks, warps, stages and split of `gemm_rows` for an `[N, K]` weight: `gemv_rule` over 64 x 128 tiles."
-    return {**gemv_rule(N, K, sms, {"BLOCK_N": 64, "BLOCK_K": 128, **(config or {})}), "BLOCK_M": GEMM_MAX_ROWS}
-
-
-def check_gemm_rows_args(x, weight, act: bool, norm: tuple | None, residual: torch.Tensor | None) -> None:
-    "Raise `ValueError` unless `gemm_rows` can compute this product."
-    (M, width), K = x.shape, weight.shape[1]
-    if not 1 <= M <= GEMM_MAX_ROWS or width != (2 * K if act else K):
-        raise ValueError(f"gemm_rows: expected x of shape (1..{GEMM_MAX_ROWS}, {2 * K if act else K}), "
-                         f"got {tuple(x.shape)}")
-    check_gemv_args(x[:1], weight, act, norm, None if residual is None else residual[:1])
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"gemm_rows: the residual must match x {tuple(x.shape)}")
-
-# %% ../nbs/07_fused.ipynb #cacb448f
-def gemm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-              config: dict | None = None, pdl: bool = False, norm: tuple | None = None,
-              residual: torch.Tensor | None = None):
-    """`x` [M, K] (M <= 16) @ `weight`.T [N, K] (+ `bias`) -> [M, N], `gemv`'s arguments and results for M rows:
-    with `act`, x is [M, 2K] and silu(gate) * up goes in; with `norm`, `(out, new residual)`."""
-    (M, _), (N, K) = x.shape, weight.shape
-    check_gemm_rows_args(x, weight, act, norm, residual)
-    cfg = gemm_rows_config(N, K, num_sms(x.device), config)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty_like(x) if residual is not None else x                                  # [M, K]
-    split, n_tiles = cfg["SPLIT_K"] > 1, triton.cdiv(N, cfg["BLOCK_N"])
-    part = torch.empty(cfg["SPLIT_K"], M, N, dtype=torch.float32, device=x.device) if split else out   # [S, M, N]
-    counters = split_counters(x.device, n_tiles) if split else out
-    gemm_rows_kernel[(n_tiles, cfg["SPLIT_K"])](
-        x, weight, bias if bias is not None else weight, out, part, counters, M, N, K, cfg["tiles_per_split"],
-        x.stride(0), weight.stride(0), out.stride(0), residual if residual is not None else x, new_residual,
-        norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, ACT=act, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT=split, EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
-    return out if norm is None else (out, new_residual)
-
-# %% ../nbs/07_fused.ipynb #99c17ca8
-def gemv_any_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: bool = False,
-                  pdl: bool = False, norm: tuple | None = None, residual: torch.Tensor | None = None,
-                  tuned: bool = True):
-    "`gemv` at one row (`tuned` as it takes it), `gemm_rows` at 2 to 16: the model's `gemv` for a few rows."
-    if x.shape[0] == 1: return gemv(x, weight, bias, act, pdl=pdl, norm=norm, residual=residual, tuned=tuned)
-    return gemm_rows(x, weight, bias, act, pdl=pdl, norm=norm, residual=residual)
 
 # %% ../nbs/07_fused.ipynb #24c0d4ed
 @triton.jit

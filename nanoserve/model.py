@@ -415,7 +415,6 @@ class ModelKernels:
     add_rmsnorm: Callable | None = None  # (x, residual, weight, eps, pdl=False) as fused.add_rmsnorm; None: torch RMSNorm
     silu_mul: Callable | None = None     # (gate_up, pdl=False) -> [T, I]; None: torch
     gemv: Callable | None = None         # fused.gemv: one-row projections on a GPU; None: nn.Linear
-    gemv_max_rows: int = 1               # rows `gemv` takes (16 with fused.gemv_any_rows: a few rows too)
     norm_in_gemv: bool = False           # with gemv and add_rmsnorm: the gemv normalises its own input
     quant_made_input: bool | None = None # quantized layers make their one-row input in their GEMV (None: their default)
     pdl: bool = False                    # Triton kernels launch with programmatic dependent launch
@@ -425,9 +424,9 @@ class ModelKernels:
 TORCH_KERNELS = ModelKernels()           # the reference path: torch everywhere
 
 # %% ../nbs/02_model.ipynb #10261aa5
-def _gemv_fits(layer: nn.Module, x: torch.Tensor, max_rows: int = 1) -> bool:
-    "Whether `gemv` can stand in for `layer` on `x`: a plain `nn.Linear`, up to `max_rows` rows, on a GPU."
-    return type(layer) is nn.Linear and x.shape[0] <= max_rows and x.is_cuda
+def _gemv_fits(layer: nn.Module, x: torch.Tensor) -> bool:
+    "Whether `gemv` can stand in for `layer` on `x`: a plain `nn.Linear`, one row, on a GPU."
+    return type(layer) is nn.Linear and x.shape[0] == 1 and x.is_cuda
 
 
 def takes_input(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -437,10 +436,9 @@ def takes_input(layer: nn.Module, x: torch.Tensor) -> bool:
     return fuses is not None and fuses(x)
 
 
-def linear(layer: nn.Module, x: torch.Tensor, gemv: Callable | None = None, pdl: bool = False,
-           max_rows: int = 1) -> torch.Tensor:
-    "`layer(x)`, or the kernel `gemv` where it is given and fits `max_rows` (`pdl`: launched dependently)."
-    if gemv is not None and _gemv_fits(layer, x, max_rows): return gemv(x, layer.weight, layer.bias, pdl=pdl)
+def linear(layer: nn.Module, x: torch.Tensor, gemv: Callable | None = None, pdl: bool = False) -> torch.Tensor:
+    "`layer(x)`, or the one-row kernel `gemv` where it is given and fits (`pdl`: launched dependently)."
+    if gemv is not None and _gemv_fits(layer, x): return gemv(x, layer.weight, layer.bias, pdl=pdl)
     return layer(x)
 
 # %% ../nbs/02_model.ipynb #3d80ac0a
@@ -467,11 +465,11 @@ def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torc
     quantization chapter's) normalises it itself, when the table's norm is a kernel."""
     if kernels.add_rmsnorm is not None and takes_input(layer, x):
         return layer.norm_forward(norm, x, residual)
-    if gemv_takes_norm(kernels, gemv) and _gemv_fits(layer, x, kernels.gemv_max_rows):
+    if gemv_takes_norm(kernels, gemv) and _gemv_fits(layer, x):
         return gemv(x, layer.weight, layer.bias, pdl=kernels.pdl, norm=(norm.weight, norm.eps), residual=residual)
     if residual is None: residual, x = x, rms_norm(norm, x, None, kernels)
     else: x, residual = rms_norm(norm, x, residual, kernels)
-    return linear(layer, x, gemv, kernels.pdl, kernels.gemv_max_rows), residual
+    return linear(layer, x, gemv, kernels.pdl), residual
 
 # %% ../nbs/02_model.ipynb #672cf8b0
 class Qwen2Attention(nn.Module):
@@ -488,7 +486,7 @@ class Qwen2Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
-        qkv = linear(self.qkv_proj, x, kernels.gemv, kernels.pdl, kernels.gemv_max_rows)   # [T, (H+2KVH)*D]
+        qkv = linear(self.qkv_proj, x, kernels.gemv, kernels.pdl)                  # [T, (H+2KVH)*D]
         return self.attend(qkv, cos, sin, k_cache, v_cache, meta, kernels)
 
     def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels: ModelKernels = TORCH_KERNELS):
@@ -499,8 +497,7 @@ class Qwen2Attention(nn.Module):
         elif self.q_norm is not None: qkv = self.norm_qk(qkv, kernels)
         out = kernels.attention(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads,
                                 self.scale, pdl=kernels.pdl, **extra)                # [T, H, D]
-        return linear(self.o_proj, out.view(T, self.q_size), kernels.gemv, kernels.pdl,
-                      kernels.gemv_max_rows)                                        # [T, hidden]
+        return linear(self.o_proj, out.view(T, self.q_size), kernels.gemv, kernels.pdl)   # [T, hidden]
 
     def norm_qk(self, qkv, kernels: ModelKernels = TORCH_KERNELS):
         "Qwen3: q and k normalised per head (each head's D values, one weight shared by the heads), v as it was."
@@ -519,8 +516,7 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, kernels: ModelKernels = TORCH_KERNELS):
-        gate_up = linear(self.gate_up_proj, x, mlp_gemv(kernels), kernels.pdl, kernels.gemv_max_rows)   # [T, 2I]
-        return self.down(gate_up, kernels)
+        return self.down(linear(self.gate_up_proj, x, mlp_gemv(kernels), kernels.pdl), kernels)   # [T, 2I] in
 
     def down(self, gate_up, kernels: ModelKernels = TORCH_KERNELS):
         "SiLU(gate) x up and the down projection, from the gate/up projection's output."
@@ -529,7 +525,7 @@ class Qwen2MLP(nn.Module):
             return self.down_proj(F.silu(gate) * up)
         if takes_input(self.down_proj, gate_up):                   # quantized (that chapter): SiLU x up inside
             return self.down_proj.gate_up_forward(gate_up)
-        if kernels.gemv is not None and _gemv_fits(self.down_proj, gate_up, kernels.gemv_max_rows):
+        if kernels.gemv is not None and _gemv_fits(self.down_proj, gate_up):
             return kernels.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=True, pdl=kernels.pdl)
         return self.down_proj(kernels.silu_mul(gate_up, pdl=kernels.pdl))
 

@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 
 from .attention import decode_attention, paged_attention
-from .fused import GEMM_MAX_ROWS, add_rmsnorm, gemv, gemv_any_rows, silu_mul
+from .fused import add_rmsnorm, gemv, silu_mul
 from .graphs import DecodeGraphs, MixedGraphs, apply_feed, pick_bucket
 from .model import (KV_SCALE_BYTES, AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausalLM,
                              make_kv_cache, paged_attention_ref)
@@ -25,13 +25,13 @@ from .sampler import (LogitsProcessors, SamplingMetadata, reset_slots, sample, t
 from .scheduler import DecodeRows, Step
 
 # %% auto #0
-__all__ = ['KV_CACHE_DTYPES', 'KernelConfig', 'resolve_kernels', 'decode_options', 'product_kernel', 'model_kernels',
-           'StepInputs', 'SamplingRows', 'sampling_rows', 'Sections', 'put_decodes', 'put_prefills', 'sample_rows',
-           'prefill_chunks', 'pack_eager', 'decode_rows', 'pack_graph_step', 'add_feeds', 'SamplingExtras',
-           'add_extras', 'resolve_placeholders', 'processors_of', 'start_slots', 'eager_inputs', 'sampling_metadata',
-           'feed_of', 'StagingBuffer', 'RunnerSetup', 'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs',
-           'RunnerHost', 'RunnerDevice', 'Launched', 'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_cache_dtype',
-           'kv_block_bytes', 'step_peak_bytes', 'kv_cache_blocks']
+__all__ = ['KV_CACHE_DTYPES', 'KernelConfig', 'resolve_kernels', 'decode_options', 'model_kernels', 'StepInputs', 'SamplingRows',
+           'sampling_rows', 'Sections', 'put_decodes', 'put_prefills', 'sample_rows', 'prefill_chunks', 'pack_eager',
+           'decode_rows', 'pack_graph_step', 'add_feeds', 'SamplingExtras', 'add_extras', 'resolve_placeholders',
+           'processors_of', 'start_slots', 'eager_inputs', 'sampling_metadata', 'feed_of', 'StagingBuffer',
+           'RunnerSetup', 'compile_decode_variants', 'SamplerGraphs', 'RunnerGraphs', 'RunnerHost', 'RunnerDevice',
+           'Launched', 'RunnerLaunch', 'sample_launched', 'ModelRunner', 'kv_cache_dtype', 'kv_block_bytes',
+           'step_peak_bytes', 'kv_cache_blocks']
 
 # %% ../nbs/10_runner.ipynb #98b6942d
 @dataclass(frozen=True)
@@ -43,8 +43,6 @@ class KernelConfig:
     tuned_gemv: bool = True                # the `gemv` takes its shape's blocks from the H200 table (False: the rule)
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
-    rows_gemv: bool = False                # steps of 2-16 tokens: projections as the fused chapter's `gemm_rows`
-                                           # (with `row_gemv`; a lab variant until timed against cuBLAS)
     quant_made_input: bool | None = None   # one-row INT8/INT4 GEMVs make their input (norm, SiLU x up, act order's
                                            # gather); None: where measured faster (the quantization chapter)
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
@@ -98,13 +96,6 @@ def decode_options(k: KernelConfig) -> dict:
     return {name: v for name, v in options.items() if v != defaults[name]}
 
 
-def product_kernel(k: KernelConfig):
-    "The table's `gemv`: the one-row kernel, or `gemv_any_rows` with `rows_gemv` (`tuned_gemv=False`: the rule)."
-    if not k.row_gemv: return None
-    fn = gemv_any_rows if k.rows_gemv else gemv
-    return fn if k.tuned_gemv else partial(fn, tuned=False)
-
-
 def model_kernels(k: KernelConfig) -> ModelKernels:
     "The forward pass's kernel table for a resolved `KernelConfig`."
     options = decode_options(k)
@@ -113,7 +104,7 @@ def model_kernels(k: KernelConfig) -> ModelKernels:
     return ModelKernels(attention=attention,
                         add_rmsnorm=add_rmsnorm if k.fused_kernels else None,
                         silu_mul=silu_mul if k.fused_kernels else None,
-                        gemv=product_kernel(k), gemv_max_rows=GEMM_MAX_ROWS if k.row_gemv and k.rows_gemv else 1,
+                        gemv=(gemv if k.tuned_gemv else partial(gemv, tuned=False)) if k.row_gemv else None,
                         norm_in_gemv=k.norm_in_gemv, quant_made_input=k.quant_made_input, pdl=bool(k.pdl),
                         qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention)
 
