@@ -18,7 +18,10 @@ SiLU x up made as the inputs load; split-K merged by the last split (`finish_spl
   when they disagree by more than 15%), `gemv_rows` and cuBLAS interleaved per case, `gemv` at one row beside them.
 - dot: `gemm_rows`, the same loop with the products on the tensor cores (`tl.dot` of 16 rows, padded, by each
   weight tile, loaded in bf16), in each of `GEMM_ROWS_CONFIGS` against cuBLAS at `--dot-rows`, `gemv` at one row
-  beside them as the floor to reach (the weights read once for every row).
+  beside them as the floor to reach (the weights read once for every row); for the QKV and gate/up layers also with
+  the norm made inside against `add_rmsnorm` + cuBLAS. Timed on an H100 (`gemm_rows_h100.json`): slower than cuBLAS
+  in every product but the 7B gate/up, the made norm slower still; it was in the package for a session as
+  `KernelConfig.rows_gemv` and was taken back (the fused chapter's table).
 The speculative chapter's notes predict the 7B verify step from these: a verify row of 1 + 4 is 5 rows.
 `--smoke`: fp32, one tiny layer, under the interpreter (check and time; count needs the compiler).
 """
@@ -32,8 +35,8 @@ import torch.nn.functional as F                                                 
 import triton                                                                            # noqa: E402
 import triton.language as tl                                                             # noqa: E402
 
-from nanoserve.fused import (_gemv_weights, _normed, add_rmsnorm, add_rmsnorm_ref, gemv, gemv_config, gemv_rule,  # noqa: E402
-                             silu_mul)
+from nanoserve.fused import (_gemv_weights, _normed, add_rmsnorm, add_rmsnorm_ref, gemv,  # noqa: E402
+                             gemv_config, gemv_rule, silu_mul)
 from nanoserve.runtime import (finish_split, launch_options, num_sms, pdl_launch_next, pdl_wait,  # noqa: E402
                                split_counters, sum_last)
 
