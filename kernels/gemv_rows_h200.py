@@ -63,19 +63,22 @@ def _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT: tl.constexpr):
     return x
 
 @triton.jit
+def _program_tiles(tiles_per_split, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    "A program's (channel block, split) ids, row / channel / K offsets, its K tiles' range and first tile's columns."
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m, offs_n, k = tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
+    return pid_n, pid_k, offs_m, offs_n, k, t_begin, t_end, t_begin * BLOCK_K + k    # every split has a tile
+
+
+@triton.jit
 def gemv_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, tiles_per_split, stride_xm,
                      stride_wn, stride_om, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                      PDL: tl.constexpr = False):
     pdl_launch_next(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    t_begin = pid_k * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
-    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
+    pid_n, pid_k, offs_m, offs_n, k, t_begin, t_end, kk = _program_tiles(tiles_per_split, K, BLOCK_M, BLOCK_N, BLOCK_K)
     w = _gemv_weights(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                    # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
     acc = _rows_inputs(x_ptr, offs_m, kk, M, K, stride_xm, ACT)[:, None, :] * w[None, :, :]   # [BM, BN, BK]
@@ -138,14 +141,7 @@ def gemm_rows_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, M, 
     """`gemv_rows_kernel`'s loop with the products on the tensor cores: `tl.dot` of 16 rows (padded) by a weight tile;
     with `NORM`, each program normalises the rows it takes (their 1 / RMS over the whole K first)."""
     pdl_launch_next(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    t_begin = pid_k * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, (K + BLOCK_K - 1) // BLOCK_K)
-    kk = t_begin * BLOCK_K + k                  # every split has at least one tile (`split_tiles`)
+    pid_n, pid_k, offs_m, offs_n, k, t_begin, t_end, kk = _program_tiles(tiles_per_split, K, BLOCK_M, BLOCK_N, BLOCK_K)
     w = _weight_tile(w_ptr, offs_n, kk, N, K, stride_wn, EVEN)                     # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)                               # the first weight tile is in flight; the inputs are not ready before
     rstd = tl.zeros((BLOCK_M,), tl.float32)
