@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from nanoserve.fused import gemv, mlp_row  # noqa: E402
 from nanoserve.runtime import pdl_supported  # noqa: E402
 
-CONFIGS = ({}, {"BLOCK_I": 8}, {"BLOCK_I": 32}, {"num_warps": 8}, {"BLOCK_I": 8, "num_warps": 8},
-           {"BLOCK_K": 512}, {"BLOCK_H": 128}, {"BLOCK_H": 512, "num_warps": 8})
+CONFIGS = ({}, {"BLOCK_I": 8}, {"BLOCK_I": 32, "BLOCK_K": 256}, {"BLOCK_K": 256, "num_warps": 4},
+           {"BLOCK_I": 8, "num_warps": 4}, {"BLOCK_I": 8, "BLOCK_K": 1024}, {"BLOCK_H": 128}, {"BLOCK_H": 512})
 
 
 def operands(H: int, I: int, device, dtype, copies: int) -> tuple:

@@ -384,7 +384,7 @@ def zeroed_sums(device: torch.device, n: int) -> torch.Tensor:
     return s
 
 # %% ../nbs/07_fused.ipynb #a1f0c020
-MLP_ROW_CONFIG = types.MappingProxyType({"BLOCK_I": 16, "BLOCK_K": 1024, "BLOCK_H": 256, "num_warps": 4})
+MLP_ROW_CONFIG = types.MappingProxyType({"BLOCK_I": 16, "BLOCK_K": 512, "BLOCK_H": 256, "num_warps": 8})
 
 def check_mlp_row_args(x, residual, norm_weight, gate_up_weight, down_weight) -> None:
     "Raise `ValueError` unless `mlp_row` can compute this MLP."
