@@ -7,8 +7,15 @@ For each shape's MLP (seeded random bf16 weights of the real sizes): check `mlp_
 block configuration (max relative error; the fp32 check against `mlp_row_ref` is the chapter's, on the CPU), then
 time the pair and each configuration as a step launches them (`lab.graph_bench`: calls over enough weight copies
 to miss L2, captured in one CUDA graph, with programmatic dependent launch; two passes, >15% apart flagged), and
-write mlp_row_h200.json with each shape's weight bytes over the copy bandwidth beside it. `--smoke`: a tiny shape
-in fp32 on the CPU under the interpreter.
+write mlp_row_h200.json with each shape's weight bytes over the copy bandwidth beside it.
+
+Beside them a lab variant that asks what a persistent kernel would buy: `mlp_barrier_kernel`, one program a
+multiprocessor, each making its share of the activation rows into a global row, then a grid barrier (a counter
+and a generation word, spun on), then its share of the down projection's outputs, whole. Against the pair it
+prices a grid barrier against a kernel boundary under PDL: the question behind a one-kernel decode layer.
+Every program must be resident at once for the barrier to finish, so the grid is the multiprocessor count (one
+program each always fits) and a smoke run uses one program. `--smoke`: a tiny shape in fp32 on the CPU under the
+interpreter.
 """
 import sys
 from pathlib import Path
@@ -18,12 +25,67 @@ from lab import (SHAPES, copy_bandwidth_GBps, device_or_skip, disagree, graph_be
                  median, parser, write)
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from nanoserve.fused import gemv, mlp_row  # noqa: E402
-from nanoserve.runtime import pdl_supported  # noqa: E402
+from nanoserve.fused import _gemv_weights, _mlp_act, gemv, mlp_row  # noqa: E402
+from nanoserve.runtime import launch_options, num_sms, pdl_launch_next, pdl_supported, sum_last  # noqa: E402
 
 CONFIGS = ({}, {"BLOCK_I": 8}, {"BLOCK_I": 32, "BLOCK_K": 256}, {"BLOCK_K": 256, "num_warps": 4},
            {"BLOCK_I": 8, "num_warps": 4}, {"BLOCK_I": 8, "BLOCK_K": 1024}, {"BLOCK_H": 128}, {"BLOCK_H": 512})
+
+
+@triton.jit
+def grid_barrier(count_ptr, gen_ptr):
+    """Wait until every program of the grid has arrived: the last to arrive zeroes the count and advances the
+    generation, the others spin until it moves (every program must be resident)."""
+    gen = tl.atomic_add(gen_ptr, 0, sem="acquire")
+    tl.debug_barrier()                                   # this program's writes, before it arrives
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(count_ptr, 0)
+        tl.atomic_add(gen_ptr, 1, sem="release")
+    else:
+        while tl.atomic_add(gen_ptr, 0, sem="acquire") == gen:
+            pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def mlp_barrier_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, down_ptr, act_ptr, out_ptr, bar_ptr,
+                       H, I, eps, stride_gu, stride_down, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOWN_K: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_next(PDL)
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    for blk in range(pid, tl.cdiv(I, BLOCK_I), P):       # phase 1: silu(gate) * up, BLOCK_I rows at a time
+        rows = blk * BLOCK_I + tl.arange(0, BLOCK_I)
+        act = _mlp_act(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, rows, H, I, eps, stride_gu,
+                       (pid == 0) & (blk == pid), BLOCK_K, ROW, True, PDL)
+        tl.store(act_ptr + rows, act.to(act_ptr.dtype.element_ty), mask=rows < I)
+    grid_barrier(bar_ptr, bar_ptr + 1)
+    for blk in range(pid, tl.cdiv(H, BLOCK_N), P):       # phase 2: the down projection, BLOCK_N outputs whole
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N, DOWN_K], tl.float32)
+        for k0 in range(0, I, DOWN_K):
+            kk = k0 + tl.arange(0, DOWN_K)
+            acc += (_gemv_weights(down_ptr, offs_n, kk, H, I, stride_down, False)
+                    * tl.load(act_ptr + kk, mask=kk < I, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :])
+        tl.store(out_ptr + offs_n, sum_last(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+BARRIER_WORDS: dict = {}        # device -> the barrier's count and generation (its own: the generation never returns
+                                # to zero, so it cannot share the merge counters, which every launch leaves zero)
+
+
+def mlp_barrier(x, r, nw, gu, dw, pdl: bool, programs: int):
+    "The barrier variant's launch: `programs` programs (all resident at once), the activation row through memory."
+    H, I = x.shape[1], dw.shape[1]
+    if x.device not in BARRIER_WORDS: BARRIER_WORDS[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
+    words = BARRIER_WORDS[x.device]
+    act, out, new_r = torch.empty(1, I, dtype=x.dtype, device=x.device), torch.empty_like(x), torch.empty_like(x)
+    mlp_barrier_kernel[(programs,)](x, r, new_r, nw, gu, dw, act, out, words, H, I, 1e-6,
+                                    gu.stride(0), dw.stride(0), BLOCK_I=16, BLOCK_K=512, BLOCK_N=8, DOWN_K=512,
+                                    ROW=triton.next_power_of_2(H), PDL=pdl, num_warps=8, **launch_options(pdl))
+    return out, new_r
 
 
 def operands(H: int, I: int, device, dtype, copies: int) -> tuple:
@@ -60,6 +122,14 @@ def one_shape(shape: str, device, dtype, pdl: bool, smoke: bool) -> dict:
         row["configs"].append({"config": config, "us": us, "disagree": disagree(*us) if len(us) > 1 else False,
                                "max_rel_err": err})
         print(shape, config, [round(u, 2) for u in us], "pair", [round(u, 2) for u in row["pair_us"]], flush=True)
+    programs = 1 if smoke else num_sms(device)
+    out, new_r = mlp_barrier(x, r, nw, *ws[0], pdl, programs)
+    err = max_rel_err(out, ref)
+    assert torch.equal(new_r, ref_r) and err < 2e-2, (shape, "barrier", err)
+    us = graph_bench(lambda i: (lambda: mlp_barrier(x, r, nw, *ws[i % len(ws)], pdl, programs)), nbytes, device=device)
+    row["barrier"] = {"programs": programs, "us": us, "disagree": disagree(*us) if len(us) > 1 else False,
+                      "max_rel_err": err}
+    print(shape, "barrier", [round(u, 2) for u in us], flush=True)
     best = min(row["configs"], key=lambda c: median(c["us"]))
     row["best"] = {"config": best["config"], "over_pair": median(best["us"]) / median(row["pair_us"])}
     return row
