@@ -1,10 +1,14 @@
-"""The one-launch MLP (`mlp_row`, the fused chapter) against the two `gemv` launches it replaces, at one row.
+"""A one-launch MLP (`mlp_row`, here) against the two `gemv` launches of the batch-1 step, at one row.
 
     NANOSERVE_GIT_SHA=<sha> PYTHONPATH=. python kernels/mlp_row_h200.py --out $OUT [--shapes 0.5B,qwen3-0.6B]
 
-For each shape's MLP (seeded random bf16 weights of the real sizes): check `mlp_row` against the pair (the gate/up
-`gemv` with the norm taken in, then the down `gemv` with SiLU x up taken in: the batch-1 step's path) at every
-block configuration (max relative error; the fp32 check against `mlp_row_ref` is the chapter's, on the CPU), then
+`mlp_row` cuts the down projection along the activation's rows: the program that makes rows `r` of SiLU(gate) x up
+multiplies them by the down weight's columns `r` at once and adds its share of every output into fp32 sums (atomic
+adds); the last program rounds the sums and zeroes them. It was in the package behind a switch until this script
+timed it slower than the pair on every shape (the fused chapter's "What was tried"). For each shape's MLP (seeded
+random bf16 weights of the real sizes): check `mlp_row` against the pair (the gate/up `gemv` with the norm taken
+in, then the down `gemv` with SiLU x up taken in: the batch-1 step's path) at every block configuration (max
+relative error; under --smoke also against `mlp_row_ref` in fp32), then
 time the pair and each configuration as a step launches them (`lab.graph_bench`: calls over enough weight copies
 to miss L2, captured in one CUDA graph, with programmatic dependent launch; two passes, >15% apart flagged), and
 write mlp_row_h200.json with each shape's weight bytes over the copy bandwidth beside it.
@@ -28,8 +32,108 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from nanoserve.fused import _gemv_weights, _mlp_act, gemv, mlp_row  # noqa: E402
-from nanoserve.runtime import launch_options, num_sms, pdl_launch_next, pdl_supported, sum_last  # noqa: E402
+from nanoserve.fused import _gemv_weights, _load_k, _normed, _row_rstd, gemv, gemv_ref  # noqa: E402
+from nanoserve.runtime import (launch_options, num_sms, pdl_launch_next, pdl_supported, pdl_wait,  # noqa: E402
+                               split_counters, sum_last)
+
+
+def mlp_row_ref(x, residual, norm_weight, eps, gate_up_weight, down_weight):
+    """`(down(silu(gate) * up), x + residual)` of the norm of `x + residual`: the gate/up `gemv` with the norm in,
+    its output rounded, then the down `gemv` with SiLU x up in."""
+    gate_up, new_residual = gemv_ref(x, gate_up_weight, norm=(norm_weight, eps), residual=residual)
+    return gemv_ref(gate_up.to(x.dtype), down_weight, act=True), new_residual
+
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, norm_w_ptr, kk, H, rstd, HAS_RESIDUAL: tl.constexpr):
+    "The `[BLOCK_K]` normalised inputs at `kk` (as `add_rmsnorm` rounds them), zeros past `H`."
+    x = _load_k(x_ptr, kk, H, False)
+    r = _load_k(res_ptr, kk, H, False) if HAS_RESIDUAL else x
+    return _normed(x, r, _load_k(norm_w_ptr, kk, H, False), rstd, x_ptr.dtype.element_ty, HAS_RESIDUAL)
+
+@triton.jit
+def _mlp_act(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, rows, H, I, eps, stride_gu, first,
+             BLOCK_K: tl.constexpr, ROW: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    "silu(gate) * up [BLOCK_I] at activation `rows`, rounded as the two `gemv` launches round it."
+    kk = tl.arange(0, BLOCK_K)
+    up_ptr = gate_up_ptr + I * stride_gu                               # the up rows follow the gate rows
+    w_gate = _gemv_weights(gate_up_ptr, rows, kk, I, H, stride_gu, False)            # [BLOCK_I, BLOCK_K]
+    w_up = _gemv_weights(up_ptr, rows, kk, I, H, stride_gu, False)
+    pdl_wait(PDL)                                                      # the first tile's weights are in flight
+    rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, H, eps, first, ROW, HAS_RESIDUAL)
+    xn = _normed_tile(x_ptr, res_ptr, norm_w_ptr, kk, H, rstd, HAS_RESIDUAL)[None, :]
+    gate, up = w_gate * xn, w_up * xn
+    for k0 in range(BLOCK_K, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, res_ptr, norm_w_ptr, kk, H, rstd, HAS_RESIDUAL)[None, :]
+        gate += _gemv_weights(gate_up_ptr, rows, kk, I, H, stride_gu, False) * xn
+        up += _gemv_weights(up_ptr, rows, kk, I, H, stride_gu, False) * xn
+    dtype = x_ptr.dtype.element_ty
+    gate, up = sum_last(gate, 1).to(dtype).to(tl.float32), sum_last(up, 1).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype).to(tl.float32)
+
+@triton.jit
+def _mlp_down_add(act, down_ptr, sums_ptr, rows, H, I, stride_down, BLOCK_H: tl.constexpr):
+    "This program's share of the down projection, `down[:, rows] @ act`, added into the fp32 `sums` [H]."
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        w = tl.load(down_ptr + h[:, None] * stride_down + rows[None, :],
+                    mask=(h < H)[:, None] & (rows < I)[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_I]
+        tl.atomic_add(sums_ptr + h, sum_last(w * act[None, :], 1), mask=h < H, sem="relaxed")
+
+@triton.jit
+def _mlp_finish(sums_ptr, out_ptr, counter_ptr, H, BLOCK_H: tl.constexpr):
+    "The last program to add its share rounds the sums into `out`, then zeroes them and the counter."
+    tl.debug_barrier()                                                 # every thread's additions, before the counter
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            s = tl.load(sums_ptr + h, mask=h < H, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + h, s.to(out_ptr.dtype.element_ty), mask=h < H)
+            tl.store(sums_ptr + h, tl.zeros_like(s), mask=h < H)
+        tl.atomic_xchg(counter_ptr, 0)
+
+@triton.jit
+def mlp_row_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, down_ptr, out_ptr, sums_ptr, counter_ptr,
+                   H, I, eps, stride_gu, stride_down, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_H: tl.constexpr, ROW: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_I + tl.arange(0, BLOCK_I)                       # this program's rows of the activation
+    act = _mlp_act(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, rows, H, I, eps, stride_gu, pid == 0,
+                   BLOCK_K, ROW, HAS_RESIDUAL, PDL)
+    _mlp_down_add(act, down_ptr, sums_ptr, rows, H, I, stride_down, BLOCK_H)
+    _mlp_finish(sums_ptr, out_ptr, counter_ptr, H, BLOCK_H)
+
+_ZEROED_SUMS: dict = {}                  # device -> fp32 sums of `mlp_row`, made on first use
+
+def zeroed_sums(device: torch.device, n: int) -> torch.Tensor:
+    "The device's zeroed fp32 sums (at least `n`), which every `mlp_row` launch leaves zero."
+    s = _ZEROED_SUMS.get(device)
+    if s is None or s.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mlp_row: its sums must be made before CUDA-graph capture (run the step once first)")
+        s = _ZEROED_SUMS[device] = torch.zeros(max(n, 8192), dtype=torch.float32, device=device)
+    return s
+
+
+MLP_ROW_CONFIG = {"BLOCK_I": 16, "BLOCK_K": 512, "BLOCK_H": 256, "num_warps": 8}   # 1024-wide K tiles spill at sm_90
+
+
+def mlp_row(x, residual, norm_weight, eps, gate_up_weight, down_weight, pdl: bool = False, config: dict | None = None):
+    """`mlp_row_ref` in one launch: x, residual [1, H]; gate_up_weight [2I, H] (gate rows, then up); down_weight
+    [H, I] -> `(out [1, H], x + residual)`."""
+    (_, H), I = x.shape, down_weight.shape[1]
+    cfg = {**MLP_ROW_CONFIG, **(config or {})}
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)
+    mlp_row_kernel[(triton.cdiv(I, cfg["BLOCK_I"]),)](
+        x, residual, new_residual, norm_weight, gate_up_weight, down_weight, out, zeroed_sums(x.device, H),
+        split_counters(x.device, 1), H, I, eps, gate_up_weight.stride(0), down_weight.stride(0),
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(H)),
+        BLOCK_H=min(cfg["BLOCK_H"], triton.next_power_of_2(H)), ROW=triton.next_power_of_2(H), HAS_RESIDUAL=True,
+        PDL=pdl, num_warps=cfg["num_warps"], **launch_options(pdl))
+    return out, new_residual
+
 
 CONFIGS = ({}, {"BLOCK_I": 8}, {"BLOCK_I": 32, "BLOCK_K": 256}, {"BLOCK_K": 256, "num_warps": 4},
            {"BLOCK_I": 8, "num_warps": 4}, {"BLOCK_I": 8, "BLOCK_K": 1024}, {"BLOCK_H": 128}, {"BLOCK_H": 512})
@@ -110,6 +214,10 @@ def one_shape(shape: str, device, dtype, pdl: bool, smoke: bool) -> dict:
     nbytes = 3 * H * I * 2
     x, r, nw, ws = operands(H, I, device, dtype, 2 if smoke else max(1, min(32, -(-(256 << 20) // nbytes))))
     ref, ref_r = pair(x, r, nw, *ws[0], pdl)
+    if smoke:                               # fp32: the one launch against the torch path of the two
+        want = mlp_row_ref(x, r, nw, 1e-6, *ws[0])[0]
+        assert max_rel_err(mlp_row(x, r, nw, 1e-6, *ws[0], config={"BLOCK_I": 8, "BLOCK_K": 32, "BLOCK_H": 16})[0],
+                           want) < 1e-5
     row = {"shape": shape, "H": H, "I": I, "weight_bytes": nbytes, "configs": []}
     us = graph_bench(lambda i: (lambda: pair(x, r, nw, *ws[i % len(ws)], pdl)), nbytes, device=device)
     row["pair_us"], row["pair_disagree"] = us, disagree(*us) if len(us) > 1 else False

@@ -20,9 +20,8 @@ from .runtime import (
     pdl_launch_next, pdl_wait, split_counters, split_tiles, sum_last)
 
 # %% auto #0
-__all__ = ['MLP_ROW_CONFIG', 'add_rmsnorm_ref', 'add_rmsnorm_row', 'add_rmsnorm_kernel', 'add_rmsnorm', 'silu_mul_ref',
-           'silu_mul_kernel', 'silu_mul', 'gemv_ref', 'gemv_kernel', 'gemv_table', 'gemv_rule', 'gemv_config',
-           'check_gemv_args', 'gemv', 'mlp_row_ref', 'mlp_row_kernel', 'zeroed_sums', 'check_mlp_row_args', 'mlp_row',
+__all__ = ['add_rmsnorm_ref', 'add_rmsnorm_row', 'add_rmsnorm_kernel', 'add_rmsnorm', 'silu_mul_ref', 'silu_mul_kernel',
+           'silu_mul', 'gemv_ref', 'gemv_kernel', 'gemv_table', 'gemv_rule', 'gemv_config', 'check_gemv_args', 'gemv',
            'argmax_rows_kernel', 'argmax_rows', 'copy_rows_kernel', 'copy_rows', 'load_step_kernel', 'load_step']
 
 # %% ../nbs/07_fused.ipynb #1c9f4e27
@@ -296,127 +295,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_options(pdl))
     return out if norm is None else (out, new_residual)
-
-# %% ../nbs/07_fused.ipynb #a1f0c002
-def mlp_row_ref(x, residual, norm_weight, eps, gate_up_weight, down_weight):
-    """`(down(silu(gate) * up), x + residual)` of the norm of `x + residual`: the gate/up `gemv` with the norm in,
-    its output rounded, then the down `gemv` with SiLU x up in."""
-    gate_up, new_residual = gemv_ref(x, gate_up_weight, norm=(norm_weight, eps), residual=residual)
-    return gemv_ref(gate_up.to(x.dtype), down_weight, act=True), new_residual
-
-# %% ../nbs/07_fused.ipynb #a1f0c005
-@triton.jit
-def _normed_tile(x_ptr, res_ptr, norm_w_ptr, kk, H, rstd, HAS_RESIDUAL: tl.constexpr):
-    "The `[BLOCK_K]` normalised inputs at `kk` (as `add_rmsnorm` rounds them), zeros past `H`."
-    x = _load_k(x_ptr, kk, H, False)
-    r = _load_k(res_ptr, kk, H, False) if HAS_RESIDUAL else x
-    return _normed(x, r, _load_k(norm_w_ptr, kk, H, False), rstd, x_ptr.dtype.element_ty, HAS_RESIDUAL)
-
-# %% ../nbs/07_fused.ipynb #a1f0c006
-@triton.jit
-def _mlp_act(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, rows, H, I, eps, stride_gu, first,
-             BLOCK_K: tl.constexpr, ROW: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    "silu(gate) * up [BLOCK_I] at activation `rows`, rounded as the two `gemv` launches round it."
-    kk = tl.arange(0, BLOCK_K)
-    up_ptr = gate_up_ptr + I * stride_gu                               # the up rows follow the gate rows
-    w_gate = _gemv_weights(gate_up_ptr, rows, kk, I, H, stride_gu, False)            # [BLOCK_I, BLOCK_K]
-    w_up = _gemv_weights(up_ptr, rows, kk, I, H, stride_gu, False)
-    pdl_wait(PDL)                                                      # the first tile's weights are in flight
-    rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, H, eps, first, ROW, HAS_RESIDUAL)
-    xn = _normed_tile(x_ptr, res_ptr, norm_w_ptr, kk, H, rstd, HAS_RESIDUAL)[None, :]
-    gate, up = w_gate * xn, w_up * xn
-    for k0 in range(BLOCK_K, H, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        xn = _normed_tile(x_ptr, res_ptr, norm_w_ptr, kk, H, rstd, HAS_RESIDUAL)[None, :]
-        gate += _gemv_weights(gate_up_ptr, rows, kk, I, H, stride_gu, False) * xn
-        up += _gemv_weights(up_ptr, rows, kk, I, H, stride_gu, False) * xn
-    dtype = x_ptr.dtype.element_ty
-    gate, up = sum_last(gate, 1).to(dtype).to(tl.float32), sum_last(up, 1).to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype).to(tl.float32)
-
-# %% ../nbs/07_fused.ipynb #a1f0c009
-@triton.jit
-def _mlp_down_add(act, down_ptr, sums_ptr, rows, H, I, stride_down, BLOCK_H: tl.constexpr):
-    "This program's share of the down projection, `down[:, rows] @ act`, added into the fp32 `sums` [H]."
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        w = tl.load(down_ptr + h[:, None] * stride_down + rows[None, :],
-                    mask=(h < H)[:, None] & (rows < I)[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_I]
-        tl.atomic_add(sums_ptr + h, sum_last(w * act[None, :], 1), mask=h < H, sem="relaxed")
-
-# %% ../nbs/07_fused.ipynb #a1f0c012
-@triton.jit
-def _mlp_finish(sums_ptr, out_ptr, counter_ptr, H, BLOCK_H: tl.constexpr):
-    "The last program to add its share rounds the sums into `out`, then zeroes them and the counter."
-    tl.debug_barrier()                                                 # every thread's additions, before the counter
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            s = tl.load(sums_ptr + h, mask=h < H, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + h, s.to(out_ptr.dtype.element_ty), mask=h < H)
-            tl.store(sums_ptr + h, tl.zeros_like(s), mask=h < H)
-        tl.atomic_xchg(counter_ptr, 0)
-
-# %% ../nbs/07_fused.ipynb #a1f0c015
-@triton.jit
-def mlp_row_kernel(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, down_ptr, out_ptr, sums_ptr, counter_ptr,
-                   H, I, eps, stride_gu, stride_down, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_H: tl.constexpr, ROW: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_launch_next(PDL)
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_I + tl.arange(0, BLOCK_I)                       # this program's rows of the activation
-    act = _mlp_act(x_ptr, res_ptr, new_res_ptr, norm_w_ptr, gate_up_ptr, rows, H, I, eps, stride_gu, pid == 0,
-                   BLOCK_K, ROW, HAS_RESIDUAL, PDL)
-    _mlp_down_add(act, down_ptr, sums_ptr, rows, H, I, stride_down, BLOCK_H)
-    _mlp_finish(sums_ptr, out_ptr, counter_ptr, H, BLOCK_H)
-
-# %% ../nbs/07_fused.ipynb #a1f0c017
-_ZEROED_SUMS: dict = {}                  # device -> fp32 sums of `mlp_row`, made on first use
-
-def zeroed_sums(device: torch.device, n: int) -> torch.Tensor:
-    "The device's zeroed fp32 sums (at least `n`), which every `mlp_row` launch leaves zero."
-    s = _ZEROED_SUMS.get(device)
-    if s is None or s.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mlp_row: its sums must be made before CUDA-graph capture (run the step once first)")
-        s = _ZEROED_SUMS[device] = torch.zeros(max(n, 8192), dtype=torch.float32, device=device)
-    return s
-
-# %% ../nbs/07_fused.ipynb #a1f0c020
-MLP_ROW_CONFIG = types.MappingProxyType({"BLOCK_I": 16, "BLOCK_K": 512, "BLOCK_H": 256, "num_warps": 8})
-
-def check_mlp_row_args(x, residual, norm_weight, gate_up_weight, down_weight) -> None:
-    "Raise `ValueError` unless `mlp_row` can compute this MLP."
-    (I2, H), (H_out, I) = gate_up_weight.shape, down_weight.shape
-    if x.dim() != 2 or x.shape != (1, H):
-        raise ValueError(f"mlp_row: expected x of shape (1, {H}), got {tuple(x.shape)}")
-    if I2 != 2 * I or H_out != H:
-        raise ValueError(f"mlp_row: gate/up {tuple(gate_up_weight.shape)} and down {tuple(down_weight.shape)} "
-                         "do not pair")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"mlp_row: the residual must match x {tuple(x.shape)} {x.dtype}")
-    if norm_weight.shape != (H,): raise ValueError(f"mlp_row: expected a norm weight of shape ({H},)")
-    if any(t.stride(-1) != 1 for t in (x, gate_up_weight, down_weight)) or not norm_weight.is_contiguous():
-        raise ValueError("mlp_row: x, the norm weight and both weights must be contiguous along their rows")
-
-# %% ../nbs/07_fused.ipynb #a1f0c022
-def mlp_row(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-            gate_up_weight: torch.Tensor, down_weight: torch.Tensor, pdl: bool = False, config: dict | None = None):
-    """`mlp_row_ref` in one launch: x, residual [1, H]; gate_up_weight [2I, H] (gate rows, then up); down_weight
-    [H, I] -> `(out [1, H], x + residual)` (no residual: `x` itself is the second)."""
-    check_mlp_row_args(x, residual, norm_weight, gate_up_weight, down_weight)
-    (_, H), I = x.shape, down_weight.shape[1]
-    cfg = {**MLP_ROW_CONFIG, **(config or {})}
-    out = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else x
-    mlp_row_kernel[(triton.cdiv(I, cfg["BLOCK_I"]),)](
-        x, residual if residual is not None else x, new_residual, norm_weight, gate_up_weight, down_weight, out,
-        zeroed_sums(x.device, H), split_counters(x.device, 1), H, I, eps, gate_up_weight.stride(0),
-        down_weight.stride(0), BLOCK_I=cfg["BLOCK_I"], BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(H)),
-        BLOCK_H=min(cfg["BLOCK_H"], triton.next_power_of_2(H)), ROW=triton.next_power_of_2(H),
-        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=cfg["num_warps"], **launch_options(pdl))
-    return out, new_residual
 
 # %% ../nbs/07_fused.ipynb #24c0d4ed
 @triton.jit

@@ -22,8 +22,8 @@ __all__ = ['FAMILIES', 'ROPE_TYPES', 'KV_SCALE_BYTES', 'TORCH_KERNELS', 'SHAPES'
            'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'make_kv_cache',
            'kv_scales', 'quantize_kv', 'write_kv', 'read_kv', 'decode_attention_ref', 'prefill_attention_ref',
            'attend_ref', 'paged_attention_ref', 'ModelKernels', 'takes_input', 'linear', 'rms_norm', 'mlp_gemv',
-           'gemv_takes_norm', 'mlp_row_fits', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
-           'Qwen2ForCausalLM', 'load_state_dict', 'model_from_state_dict', 'load_model']
+           'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM',
+           'load_state_dict', 'model_from_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 FAMILIES = MappingProxyType({       # model_type -> what its config.json leaves out
@@ -419,7 +419,6 @@ class ModelKernels:
     quant_made_input: bool | None = None # quantized layers make their one-row input in their GEMV (None: their default)
     pdl: bool = False                    # Triton kernels launch with programmatic dependent launch
     qk_norm_in_attention: bool = False   # Qwen3's q/k norms done by `attention` (its qk_norm=(wq, wk, eps)); False: torch
-    mlp_row: Callable | None = None      # fused.mlp_row: a one-row MLP (norm, gate/up, SiLU x up, down) in one launch
 
 
 TORCH_KERNELS = ModelKernels()           # the reference path: torch everywhere
@@ -457,13 +456,6 @@ def mlp_gemv(kernels: ModelKernels) -> Callable | None:
 def gemv_takes_norm(kernels: ModelKernels, gemv: Callable | None) -> bool:
     "Whether a projection's `gemv` normalises its own input: asked for, and the norm is a kernel too."
     return gemv is not None and kernels.norm_in_gemv and kernels.add_rmsnorm is not None
-
-
-def mlp_row_fits(kernels: ModelKernels, mlp: nn.Module, x: torch.Tensor) -> bool:
-    "Whether the table's `mlp_row` computes `mlp` on `x` in one launch: given, plain layers with no bias, one row."
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    return (kernels.mlp_row is not None and _gemv_fits(gate_up, x) and type(down) is nn.Linear
-            and gate_up.bias is None and down.bias is None)
 
 # %% ../nbs/02_model.ipynb #0eed7aac
 def norm_linear(norm: RMSNorm, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
@@ -551,10 +543,6 @@ class Qwen2DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, a.qkv_proj, x, residual, kernels.gemv, kernels)
         x = a.attend(qkv, cos, sin, k_cache, v_cache, meta, kernels)
-        if mlp_row_fits(kernels, m, x):            # norm, gate/up, SiLU x up and down in one launch (one row)
-            n = self.post_attention_layernorm
-            return kernels.mlp_row(x, residual, n.weight, n.eps, m.gate_up_proj.weight, m.down_proj.weight,
-                                   pdl=kernels.pdl)
         gate_up, residual = norm_linear(self.post_attention_layernorm, m.gate_up_proj, x, residual,
                                         mlp_gemv(kernels), kernels)
         return m.down(gate_up, kernels), residual

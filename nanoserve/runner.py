@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 
 from .attention import decode_attention, paged_attention
-from .fused import add_rmsnorm, gemv, mlp_row, silu_mul
+from .fused import add_rmsnorm, gemv, silu_mul
 from .graphs import DecodeGraphs, MixedGraphs, apply_feed, pick_bucket
 from .model import (KV_SCALE_BYTES, AttentionMetadata, ModelKernels, PrefillChunk, Qwen2ForCausalLM,
                              make_kv_cache, paged_attention_ref)
@@ -43,7 +43,6 @@ class KernelConfig:
     tuned_gemv: bool = True                # the `gemv` takes its shape's blocks from the H200 table (False: the rule)
     pdl: bool | None = None                # programmatic dependent launch (Hopper and later)
     norm_in_gemv: bool = True              # one-row steps: the `gemv` normalises its own input
-    mlp_row: bool = False                  # one-row steps: each MLP in one launch (`mlp_row`; False: two gemv launches)
     quant_made_input: bool | None = None   # one-row INT8/INT4 GEMVs make their input (norm, SiLU x up, act order's
                                            # gather); None: where measured faster (the quantization chapter)
     rope_in_decode: bool = True            # decode-only steps: RoPE inside the decode-attention kernel
@@ -107,8 +106,7 @@ def model_kernels(k: KernelConfig) -> ModelKernels:
                         silu_mul=silu_mul if k.fused_kernels else None,
                         gemv=(gemv if k.tuned_gemv else partial(gemv, tuned=False)) if k.row_gemv else None,
                         norm_in_gemv=k.norm_in_gemv, quant_made_input=k.quant_made_input, pdl=bool(k.pdl),
-                        qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention,
-                        mlp_row=mlp_row if k.mlp_row and k.fused_kernels else None)
+                        qk_norm_in_attention=k.attention_backend == "triton" and k.qk_norm_in_attention)
 
 
 # %% ../nbs/10_runner.ipynb #5b20fda6
