@@ -48,7 +48,7 @@ def launch(q, kc, vc, bt, cl, max_ctx, out, tile, warps, stages):
     decode_attention_kernel[(B, KVH, splits)](
         q, kc, vc, bt, cl, out, part_out, part_lse, counters, D ** -0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0), out.stride(0), out.stride(1),
-        q, q, q, 0, q, q, 0.0, NUM_HEADS=H, G=H // KVH, BLOCK_G=max(16, 1 << (H // KVH - 1).bit_length()),
+        q, q, q, 0, q, q, 0.0, q, NUM_HEADS=H, G=H // KVH, BLOCK_G=max(16, 1 << (H // KVH - 1).bit_length()),
         HEAD_DIM=D, BLOCK_SIZE=kc.shape[1], TILE_N=tile, NUM_SPLITS=splits, MERGE=splits > 1, UPCAST=INTERPRET,
         num_warps=warps, **extra)
     return splits

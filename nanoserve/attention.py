@@ -317,17 +317,16 @@ def decode_rope(q_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_
 
 # %% ../nbs/06_attention.ipynb #3f8b1d57
 @triton.jit
-def store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh):
-    "A program's normalised output [BLOCK_G, D] to `out` (the program had every tile of its context)."
+def store_out(acc, l_i, out_ptr, seq, cols, gm, stride_ot):
+    "A program's normalised output [BLOCK_G, D] to `out`'s row at `cols` (the program had every tile of its context)."
     out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gm)
+    tl.store(out_ptr + seq * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=gm)
 
 
 @triton.jit
-def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, num_used, stride_ot, stride_oh,
+def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, cols, num_used, stride_ot,
                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    "The first `num_used` splits' partials of (sequence, KV head) weighed by their log-sum-exps, into `out`."
+    "The first `num_used` splits' partials of (sequence, KV head) weighed by their log-sum-exps, into `out` at `cols`."
     s = tl.arange(0, NUM_SPLITS)
     rows = (seq * NUM_HEADS + heads[:, None]) * NUM_SPLITS + s[None, :]              # [BLOCK_G, S]
     lse = tl.load(part_lse_ptr + rows, mask=gm, other=0.0, cache_modifier=".cg")
@@ -338,18 +337,18 @@ def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, num_use
     o = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=used, other=0.0,
                 cache_modifier=".cg")                                                 # [BLOCK_G, S, D]
     out = tl.reduce(o * w[:, :, None], 1, add_fn)                                      # [BLOCK_G, D]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gm)
+    tl.store(out_ptr + seq * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=gm)
 
 
 @triton.jit
 def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g, gm, d,
-                  num_used, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  cols, num_used, stride_ot, NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr):
-    """Store a decode program's output. With several splits, each of the `num_used` that have tiles stores its
-    partial and the last of them merges; when `num_used` is 1 the one split stores its output as is."""
+    """Store a decode program's output at `cols` of its sequence's row [BLOCK_G, D]. With several splits, each of the
+    `num_used` that have tiles stores its partial and the last of them merges; when `num_used` is 1 the one split
+    stores its output as is."""
     if num_used == 1:                       # one split, or (by context) a context of one split's tiles
-        store_out(acc, l_i, out_ptr, seq, heads, gm, d, stride_ot, stride_oh)
+        store_out(acc, l_i, out_ptr, seq, cols, gm, stride_ot)
     else:
         row = (seq * NUM_HEADS + heads) * NUM_SPLITS + split                # [BLOCK_G]
         out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)          # an empty split writes zeros
@@ -359,7 +358,7 @@ def decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_pt
             tl.debug_barrier()                                              # all of this program's stores ...
             c = counter_ptr + seq * tl.num_programs(1) + kvh
             if tl.atomic_add(c, 1, sem="acq_rel") == num_used - 1:         # ... before the others can see it
-                merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, num_used, stride_ot, stride_oh,
+                merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, heads, gm, d, cols, num_used, stride_ot,
                              NUM_HEADS, HEAD_DIM, NUM_SPLITS)
                 tl.atomic_xchg(c, 0)                                        # zero again for the next launch
 
@@ -417,13 +416,14 @@ def attend_rest(q, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx, t_begin, t_e
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                             part_out_ptr, part_lse_ptr, counter_ptr, scale_log2,
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                            cos_ptr, sin_ptr, slot_mapping_ptr, stride_cos, q_norm_ptr, k_norm_ptr, eps,
+                            cos_ptr, sin_ptr, slot_mapping_ptr, stride_cos, q_norm_ptr, k_norm_ptr, eps, out_dest_ptr,
                             NUM_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
                             ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False, PDL: tl.constexpr = False,
                             DOT_PRECISION: tl.constexpr = "tf32", BY_CONTEXT: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = True, AHEAD: tl.constexpr = 0, FMA: tl.constexpr = False):
+                            PREFETCH: tl.constexpr = True, AHEAD: tl.constexpr = 0, FMA: tl.constexpr = False,
+                            SCATTER: tl.constexpr = False):
     pdl_launch_next(PDL)
     if not PREFETCH: pdl_wait(PDL)          # the control: nothing loaded before the kernels before have finished
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -431,6 +431,8 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     t_begin, t_end, num_used = split_tiles(ctx, split, TILE_N, NUM_SPLITS, BY_CONTEXT)
     g, d, n = tl.arange(0, BLOCK_G), tl.arange(0, HEAD_DIM), tl.arange(0, TILE_N)
     heads, gm = kvh * G + g, g[:, None] < G
+    cols = heads[:, None] * stride_oh + d[None, :]      # where the output goes in its row; SCATTER: a layer's order
+    if SCATTER: cols = tl.load(out_dest_ptr + heads[:, None] * HEAD_DIM + d[None, :], mask=gm, other=0)
     table_ptr = block_tables_ptr + seq * stride_bt
     pos = t_begin * TILE_N + n              # the first tile: its older keys in flight while the kernels before finish
     old = (pos < ctx - 1) & (t_begin < t_end)
@@ -461,7 +463,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                                 FMA)
     if split < num_used:                    # a split past the context's tiles (only under BY_CONTEXT) stores nothing
         decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, seq, kvh, split, heads, g,
-                      gm, d, num_used, stride_ot, stride_oh, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
+                      gm, d, cols, num_used, stride_ot, NUM_HEADS, G, HEAD_DIM, NUM_SPLITS, MERGE)
 
 # %% ../nbs/06_attention.ipynb #6b8f2d9e
 @triton.jit
@@ -527,7 +529,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
                      num_splits: int | None = None, out=None, merge_in_kernel: bool = True, pdl: bool = False,
                      rope: tuple | None = None, qk_norm: tuple | None = None, splits_by_context: bool = True,
                      prefetch: bool = True, ahead: int = 0, tile: int | None = None, fma: bool = False,
-                     num_warps: int = 4):
+                     num_warps: int = 4, out_dest: torch.Tensor | None = None):
     """Paged decode attention: q [B, H, D], one query per sequence -> out [B, H, D]. Split partials are merged
     by the last split of each (sequence, KV head), or by `decode_reduce` if not `merge_in_kernel`.
     `rope` = (qkv [B, (H+2KVH)*D] before rotation, cos, sin [B, D], slot_mapping [B]): the kernel takes q from
@@ -538,7 +540,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     `prefetch`: each program loads its first tile of older keys before waiting on the kernels before (under `pdl`;
     False: after, the control). `ahead`: how far the loop loads ahead of its use (`attend_rest`: 0, 1 the block ids,
     2 the keys and values too); `tile`: keys an iteration (default `tile_n`); `fma`: the products on the CUDA cores
-    (`attend_tile`), the query group unpadded; `num_warps`: a program's warps (a lab knob)."""
+    (`attend_tile`), the query group unpadded; `num_warps`: a program's warps (a lab knob). `out_dest` [H*D]: each
+    row's column j stored at `out_dest[j]` (a contiguous `out`, the in-kernel merge): the order a layer after it
+    reads its input in, made by the stores rather than gathered by the layer."""
     B, H, D = (q if q is not None else out).shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -550,6 +554,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     merge = num_splits > 1 and merge_in_kernel
     part_out, part_lse, counters = split_buffers(out, KVH, num_splits, merge)
     assert qk_norm is None or rope is not None, "qk_norm is applied with the rotation: pass rope"
+    if out_dest is not None and (not out.is_contiguous() or (num_splits > 1 and not merge)):
+        raise ValueError("decode_attention: out_dest needs a contiguous out and the in-kernel merge")
     if rope is not None:                          # the kernel reads q, k and v from `qkv` through q's pointer
         q, cos, sin, slots = rope
         assert q.stride(-1) == 1 and cos.stride(-1) == 1 and q.shape[-1] == (H + 2 * KVH) * D
@@ -560,11 +566,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), *rope_args, *qk_norm_args(q, qk_norm),
+        out_dest if out_dest is not None else out,
         NUM_HEADS=H, G=G, BLOCK_G=triton.next_power_of_2(G) if fma else max(16, triton.next_power_of_2(G)),
         HEAD_DIM=D, BLOCK_SIZE=block_size,
         TILE_N=tile, NUM_SPLITS=num_splits, MERGE=merge, UPCAST=INTERPRET, ROPE=rope is not None,
         QK_NORM=qk_norm is not None, PDL=pdl, DOT_PRECISION=dot_precision(like),
-        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, FMA=fma, num_warps=num_warps, **launch_options(pdl))
+        BY_CONTEXT=merge and splits_by_context, PREFETCH=prefetch, AHEAD=ahead, FMA=fma, SCATTER=out_dest is not None,
+        num_warps=num_warps, **launch_options(pdl))
     if num_splits > 1 and not merge: decode_reduce(part_out, part_lse, out)
     return out
 
@@ -672,7 +680,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_q_lens, start_pos, m
 def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, scale: float,
                     pdl: bool = False, rope_in_decode: bool = True, qk_norm: tuple | None = None,
                     splits_by_context: bool = True, prefetch: bool = True, ahead: int = 0, tile: int | None = None,
-                    fma: bool = False):
+                    fma: bool = False, out_dest: torch.Tensor | None = None):
     """Triton attention for a mixed step: `qkv` [T, (H+2KVH)*D] pre-RoPE -> [T, H, D]. `pdl`: the RoPE and decode
     kernels use programmatic dependent launch (the runtime chapter). A decode-only step with `rope_in_decode` is
     one launch: the decode kernel does `rope_cache`'s work itself (False: `rope_cache` first, the control).
@@ -680,14 +688,17 @@ def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_k
     `splits_by_context`: the decode kernel runs only the splits each context has tiles for (False: all, the control);
     `prefetch`: it loads its first tile before waiting on the kernels before (False: after, the control);
     `ahead`, `tile` and `fma`: its loop's loads ahead, keys an iteration, products on the CUDA cores
-    (`decode_attention`)."""
+    (`decode_attention`). `out_dest` [H*D]: each row's columns scattered there, for a layer that reads its input
+    in its own order (the model chapter's `scatter_columns`): by the decode kernel's stores in a decode-only step,
+    after the kernels otherwise."""
     nd = meta.num_decode_tokens
     decode_kw = dict(splits_by_context=splits_by_context, prefetch=prefetch, ahead=ahead, tile=tile, fma=fma)
     if nd and nd == qkv.shape[0] and rope_in_decode:
         out = torch.empty(nd, num_heads, k_cache.shape[-1], dtype=qkv.dtype, device=qkv.device)    # [T, H, D]
         return decode_attention(None, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                                 meta.max_decode_context_len, num_splits=meta.decode_num_splits, out=out, pdl=pdl,
-                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm, **decode_kw)
+                                rope=(qkv, cos, sin, meta.slot_mapping), qk_norm=qk_norm, out_dest=out_dest,
+                                **decode_kw)
     q = rope_cache(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, pdl=pdl,
                    qk_norm=qk_norm)
     out = torch.empty_like(q)
@@ -699,4 +710,4 @@ def paged_attention(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_k
         prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q_lens,
                           meta.prefill_start_pos, meta.prefill_max_q_len, scale, out=out[nd:],
                           tile_map=meta.prefill_tile_map)
-    return out
+    return out if out_dest is None else model.scatter_columns(out, out_dest)

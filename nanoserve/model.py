@@ -21,9 +21,9 @@ __all__ = ['FAMILIES', 'ROPE_TYPES', 'KV_SCALE_BYTES', 'TORCH_KERNELS', 'SHAPES'
            'read_config_json', 'RopeScaling', 'ModelConfig', 'max_model_len_for', 'RMSNorm', 'rope_inv_freq',
            'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'PrefillChunk', 'AttentionMetadata', 'make_kv_cache',
            'kv_scales', 'quantize_kv', 'write_kv', 'read_kv', 'decode_attention_ref', 'prefill_attention_ref',
-           'attend_ref', 'paged_attention_ref', 'ModelKernels', 'takes_input', 'linear', 'rms_norm', 'mlp_gemv',
-           'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer', 'Qwen2ForCausalLM',
-           'load_state_dict', 'model_from_state_dict', 'load_model']
+           'attend_ref', 'scatter_columns', 'paged_attention_ref', 'ModelKernels', 'takes_input', 'linear', 'rms_norm',
+           'mlp_gemv', 'gemv_takes_norm', 'norm_linear', 'Qwen2Attention', 'Qwen2MLP', 'Qwen2DecoderLayer',
+           'Qwen2ForCausalLM', 'load_state_dict', 'model_from_state_dict', 'load_model']
 
 # %% ../nbs/02_model.ipynb #436ee478
 FAMILIES = MappingProxyType({       # model_type -> what its config.json leaves out
@@ -398,9 +398,20 @@ def attend_ref(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
     return out
 
 # %% ../nbs/02_model.ipynb #8bc4ef44
+def scatter_columns(out: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    "`out` [T, ...] with each row's column j (its values laid flat) moved to `dest[j]`."
+    flat = out.reshape(out.shape[0], -1)                                         # [T, H*D]
+    return torch.empty_like(flat).index_copy_(1, dest, flat).view_as(out)
+
+
 def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, num_heads: int,
-                        num_kv_heads: int, scale: float, pdl: bool = False):
-    "The torch attention backend: `qkv` [T, (H+2KVH)*D] before RoPE -> [T, H, D] (`pdl` is for Triton kernels)."
+                        num_kv_heads: int, scale: float, pdl: bool = False, out_dest: torch.Tensor | None = None):
+    """The torch attention backend: `qkv` [T, (H+2KVH)*D] before RoPE -> [T, H, D] (`pdl` is for Triton kernels);
+    with `out_dest` [H*D], each row's columns scattered there (`scatter_columns`) for a layer that reads its input
+    in its own order."""
+    if out_dest is not None:
+        return scatter_columns(paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads,
+                                                   scale), out_dest)
     T, D = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q = apply_rotary(q.view(T, num_heads, D), cos, sin)          # [T, H, D]
@@ -411,7 +422,7 @@ def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata
 @dataclass(frozen=True)
 class ModelKernels:
     "Which function computes each piece of the forward pass; the defaults are this chapter's torch path."
-    attention: Callable = paged_attention_ref  # (qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, scale, pdl=False) -> [T, H, D]
+    attention: Callable = paged_attention_ref  # (qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, scale, pdl=False, out_dest=None) -> [T, H, D]
     add_rmsnorm: Callable | None = None  # (x, residual, weight, eps, pdl=False) as fused.add_rmsnorm; None: torch RMSNorm
     silu_mul: Callable | None = None     # (gate_up, pdl=False) -> [T, I]; None: torch
     gemv: Callable | None = None         # fused.gemv: one-row projections on a GPU; None: nn.Linear
@@ -495,8 +506,11 @@ class Qwen2Attention(nn.Module):
         if self.q_norm is not None and kernels.qk_norm_in_attention:      # the kernel normalises as it rotates
             extra = dict(qk_norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
         elif self.q_norm is not None: qkv = self.norm_qk(qkv, kernels)
+        dest = getattr(self.o_proj, "input_dest", None)   # a layer reading its input in its own order (act order)
+        if dest is not None: extra["out_dest"] = dest      # ... gets it so from the attention's stores
         out = kernels.attention(qkv, cos, sin, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads,
                                 self.scale, pdl=kernels.pdl, **extra)                # [T, H, D]
+        if dest is not None: return self.o_proj.in_order(out.view(T, self.q_size))  # [T, hidden]
         return linear(self.o_proj, out.view(T, self.q_size), kernels.gemv, kernels.pdl)   # [T, hidden]
 
     def norm_qk(self, qkv, kernels: ModelKernels = TORCH_KERNELS):

@@ -1458,9 +1458,13 @@ def _gathered(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return quant_gemv(x, self.qweight, self.scales, self.zeros, self.bias, self.method, self.group_size, pdl=self.pdl,
                       tuned=self.tuned, perm=self.input_perm)
 
+def _in_order(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    "self(x) of an input already in the layer's order: act order's, stored there by the attention (`input_dest`)."
+    return self.matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
 QuantLinear.fuses_input, QuantLinear.norm_forward = _fuses_input, _norm_forward
 QuantLinear.gate_up_forward = _gate_up_forward
-QuantLinear.gathers, QuantLinear.gathered = _makes_input, _gathered
+QuantLinear.gathers, QuantLinear.gathered, QuantLinear.in_order = _makes_input, _gathered, _in_order
 
 
 # %% ../nbs/08_quant.ipynb #95d377d9

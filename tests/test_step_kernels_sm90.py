@@ -25,7 +25,7 @@ def compile_ptx(kernel, ptrs, ints, consts, num_warps=4):
 ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr",
                               "k_norm_ptr")}
 ptrs.update(block_tables_ptr="*i64", context_lens_ptr="*i64", part_out_ptr="*fp32", part_lse_ptr="*fp32",
-            counter_ptr="*i32", slot_mapping_ptr="*i64")
+            counter_ptr="*i32", slot_mapping_ptr="*i64", out_dest_ptr="*i64")
 ints = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt", "stride_ot",
                            "stride_oh", "stride_cos")}
 ints["scale_log2"] = ints["eps"] = "fp32"
@@ -39,16 +39,18 @@ for rope in (False, True):          # the 0.5B heads at batch 1: 16 splits merge
         ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
             NUM_HEADS=14, G=7, BLOCK_G=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=16, MERGE=True,
             UPCAST=False, ROPE=rope, QK_NORM=False, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True,
-            PREFETCH=prefetch, AHEAD=0, FMA=False))
+            PREFETCH=prefetch, AHEAD=0, FMA=False, SCATTER=False))
         out[f"decode rope={rope}" + ("" if prefetch else " late")] = {
             "bar": ptx.count("bar.sync"), "st": ptx.count("st.global"), "gdc": ptx.count("griddepcontrol.wait"),
             "early_ld": loads_before_wait(ptx)}
-for norm in (False, True):          # Qwen3-0.6B's heads, RoPE inside, its q/k norms folded in or not
+for norm, scatter in ((False, False), (True, False), (False, True)):   # Qwen3-0.6B's heads, RoPE inside
     ptx = compile_ptx(A.decode_attention_kernel, ptrs, ints, dict(
         NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
         UPCAST=False, ROPE=True, QK_NORM=norm, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True,
-        AHEAD=0, FMA=False))
-    out[f"decode qwen3 norm={norm}"] = {"rsqrt": ptx.count("rsqrt."), "ld": ptx.count("ld.global")}
+        AHEAD=0, FMA=False, SCATTER=scatter))
+    out[f"decode qwen3 norm={norm}" + (" scatter" if scatter else "")] = {
+        "rsqrt": ptx.count("rsqrt."), "ld": ptx.count("ld.global"), "early_ld": loads_before_wait(ptx),
+        "st": ptx.count("st.global")}
 ptx = compile_ptx(F.argmax_rows_kernel, {"x_ptr": "*fp32", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32",
                                          "out_ptr": "*i64", "counter_ptr": "*i32"},
                   {"V": "i32", "stride_x": "i32", "per_part": "i32", "num_parts": "i32"}, dict(BLOCK=1024, BLOCK_PARTS=256))
@@ -88,7 +90,8 @@ def test_step_kernels_compile_for_hopper(k):
     `copy_rows` and `load_step` compile for sm_90 as the engine launches them; the RoPE variant adds the cache stores
     (and keeps a barrier: the owning split's writes, before its threads read a later tile), and keeps waiting for the
     kernel before it. With `PREFETCH` the context length, the block table and the first tile's keys and values load
-    before that wait; without it (the control) nothing does."""
+    before that wait; without it (the control) nothing does. With `SCATTER` (the output stored in the order of the
+    layer after it) the destinations load before the wait too, and the stores are as many."""
     plain, rope = k["decode rope=False"], k["decode rope=True"]
     assert rope["bar"] >= 1 and rope["st"] > plain["st"]
     assert rope["gdc"] == plain["gdc"] == 1
@@ -96,6 +99,8 @@ def test_step_kernels_compile_for_hopper(k):
         assert k[name]["early_ld"] >= 4 and k[name + " late"]["early_ld"] == 0, (k[name], k[name + " late"])
     folded, unfolded = k["decode qwen3 norm=True"], k["decode qwen3 norm=False"]     # Qwen3's q/k norms inside:
     assert folded["rsqrt"] > unfolded["rsqrt"] and folded["ld"] > unfolded["ld"]       # a root, the weights loaded
+    scatter = k["decode qwen3 norm=False scatter"]       # the output stored in a layer's order: where each value
+    assert scatter["early_ld"] > unfolded["early_ld"] and scatter["st"] == unfolded["st"]   # goes, loaded early
     assert k["argmax_rows"]["atom"] >= 2 and k["argmax_rows"]["st"] >= 3       # counter, reset; partials and result
     assert k["copy_rows"]["st"] >= 1
     for kept in (False, True):                          # integers, feed, table rows (and entries); the barrier
