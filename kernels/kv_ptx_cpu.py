@@ -32,7 +32,7 @@ from triton.compiler import ASTSource     # noqa: E402
 
 HEADS = dict(NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
              UPCAST=False, ROPE=True, QK_NORM=True, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True,
-             AHEAD=0, FMA=False)
+             AHEAD=0, FMA=False, SCATTER=False)
 SCALED = "k, v = k.to(tl.float32) * ks[:, None], v.to(tl.float32) * vs[:, None]"
 
 

@@ -397,13 +397,14 @@ def attend_ref(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         out[s] = prefill_attention_ref(q[s], k_cache, v_cache, c.block_table, c.start_pos, scale)
     return out
 
-# %% ../nbs/02_model.ipynb #8bc4ef44
+# %% ../nbs/02_model.ipynb #c5a7e001
 def scatter_columns(out: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     "`out` [T, ...] with each row's column j (its values laid flat) moved to `dest[j]`."
     flat = out.reshape(out.shape[0], -1)                                         # [T, H*D]
     return torch.empty_like(flat).index_copy_(1, dest, flat).view_as(out)
 
 
+# %% ../nbs/02_model.ipynb #8bc4ef44
 def paged_attention_ref(qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, num_heads: int,
                         num_kv_heads: int, scale: float, pdl: bool = False, out_dest: torch.Tensor | None = None):
     """The torch attention backend: `qkv` [T, (H+2KVH)*D] before RoPE -> [T, H, D] (`pdl` is for Triton kernels);

@@ -45,7 +45,8 @@ def test_prefill_reads_an_int8_cache_as_the_reference_does():
     q = torch.randn(7 + 5, 4, 16, generator=torch.Generator().manual_seed(3))
     cu, start = torch.tensor([0, 7, 12]), torch.tensor([11, 4])         # each chunk after a cached prefix
     out = prefill_attention(q, kc, vc, TABLES, cu, start, 7, 0.25)
-    torch.testing.assert_close(out, prefill_attention_ref(q, kc, vc, TABLES, cu, start, 0.25), rtol=1e-5, atol=1e-5)
+    # values up to ~20 summed in another order (the interpreter's numpy decides it): fp32 agreement, not bits
+    torch.testing.assert_close(out, prefill_attention_ref(q, kc, vc, TABLES, cu, start, 0.25), rtol=1e-4, atol=1e-4)
 
 
 def _written(cache):
@@ -155,7 +156,7 @@ for cache in ("*i8", "*bf16"):
         ptx = compile_ptx(A.decode_attention_kernel, ptrs, dict(
             NUM_HEADS=16, G=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=128, NUM_SPLITS=4, MERGE=True,
             UPCAST=False, ROPE=rope, QK_NORM=rope, PDL=True, DOT_PRECISION="tf32", BY_CONTEXT=True, PREFETCH=True,
-            AHEAD=0, FMA=False))
+            AHEAD=0, FMA=False, SCATTER=False))
         out[f"decode {cache} rope={rope}"] = {"cvt_s8": len(re.findall(r"cvt\.[\w.]*s8\b", ptx)),
                                                "st": ptx.count("st.global"), "ld": ptx.count("ld.global")}
     ptx = compile_ptx(A.rope_cache_kernel, ptrs, dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
